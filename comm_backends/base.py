@@ -1,0 +1,119 @@
+"""The allreduce strategy interface shared by every backend, and its call statistics.
+
+A backend owns one way of summing a tensor across the ranks of a process group. The model
+never calls ``torch.distributed`` directly: every tensor-parallel reduction goes through an
+``AllReduce`` so that backends can be A/B-tested (and switched live) without touching models.
+"""
+
+from __future__ import annotations
+
+import time
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+import torch
+import torch.distributed as dist
+
+
+class BackendUnavailable(RuntimeError):
+    """Raised when a backend cannot run on this device / world size / build."""
+
+
+@dataclass
+class CommStats:
+    """Per-backend call statistics; timing is only collected while ``enabled``.
+
+    Counting is always on (an integer add is far cheaper than any allreduce); timing needs a
+    clock read per call and, on CUDA, a device sync, so it is opt-in.
+    """
+
+    enabled: bool = False
+    calls: int = 0
+    bytes: int = 0
+    seconds: float = 0.0
+    by_phase: dict[str, list[float]] = field(default_factory=dict)
+    phase: str = "other"
+
+    def record(self, nbytes: int, seconds: float) -> None:
+        self.calls += 1
+        self.bytes += nbytes
+        self.seconds += seconds
+        entry = self.by_phase.setdefault(self.phase, [0.0, 0.0])
+        entry[0] += 1
+        entry[1] += seconds
+
+    def snapshot(self) -> dict[str, object]:
+        return {
+            "calls": self.calls,
+            "bytes": self.bytes,
+            "seconds": self.seconds,
+            "by_phase": {k: {"calls": int(v[0]), "seconds": v[1]} for k, v in self.by_phase.items()},
+        }
+
+    def reset(self) -> None:
+        self.calls, self.bytes, self.seconds = 0, 0, 0.0
+        self.by_phase.clear()
+
+
+class AllReduce(ABC):
+    """Sum a tensor over all ranks of ``group``; every rank gets the bit-identical result."""
+
+    name: ClassVar[str]
+    devices: ClassVar[tuple[str, ...]]  # device types it runs on, e.g. ("cpu",)
+    dtypes: ClassVar[tuple[torch.dtype, ...]] = (torch.float32, torch.bfloat16, torch.float16)
+    capture_safe: ClassVar[bool] = False  # may be called inside CUDA-graph capture
+
+    def __init__(self, group: dist.ProcessGroup | None, device: torch.device) -> None:
+        self.group = group
+        self.device = device
+        self.rank = dist.get_rank(group) if dist.is_initialized() else 0
+        self.world_size = dist.get_world_size(group) if dist.is_initialized() else 1
+        self.stats = CommStats()
+
+    @classmethod
+    def unavailable_reason(cls, device: torch.device, world_size: int) -> str | None:
+        """None when this backend can run here, else one line saying why not."""
+        if device.type not in cls.devices:
+            return f"allreduce backend '{cls.name}' needs device {'/'.join(cls.devices)}, got {device.type}"
+        return None
+
+    def supports(self, tensor: torch.Tensor) -> bool:
+        return tensor.device.type in self.devices and tensor.dtype in self.dtypes
+
+    max_bytes: ClassVar[int | None] = None  # largest message, None = unbounded
+
+    @abstractmethod
+    def _all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Backend-specific sum; may work in place and return ``tensor``."""
+
+    def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
+        if self.world_size == 1:
+            return tensor
+        if not self.stats.enabled:
+            self.stats.calls += 1
+            return self._all_reduce(tensor)
+        if tensor.is_cuda:
+            torch.cuda.synchronize(tensor.device)
+        start = time.perf_counter()
+        out = self._all_reduce(tensor)
+        if tensor.is_cuda:
+            torch.cuda.synchronize(tensor.device)
+        self.stats.record(tensor.numel() * tensor.element_size(), time.perf_counter() - start)
+        return out
+
+    def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Concatenate each rank's ``tensor`` along the last dim (same shape on every rank).
+
+        Built from ``all_reduce`` over a zero-padded buffer so every backend gets it for free and
+        its cost shows up in the same statistics; exact because x + 0 == x.
+        """
+        if self.world_size == 1:
+            return tensor
+        width = tensor.shape[-1]
+        full = tensor.new_zeros(*tensor.shape[:-1], width * self.world_size)
+        full[..., self.rank * width : (self.rank + 1) * width] = tensor
+        return self.all_reduce(full)
+
+    def close(self) -> None:
+        """Release backend resources (shared memory, IPC handles). Idempotent."""

@@ -1,0 +1,314 @@
+"""Tests for sampling parameters, logit penalties, the sampled distribution and the draw."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from tpserve.engine.sampler import (
+    apply_min_tokens,
+    apply_penalties,
+    make_generator,
+    sample,
+    target_probs,
+)
+from tpserve.engine.sampling_params import SamplingParams
+
+# ---------------------------------------------------------------------------------------------
+# Independent float64 reference for the sampled distribution.
+
+
+def _reference_probs(logits: list[float], p: SamplingParams) -> list[float]:
+    """softmax(logits / T), then top-k, top-p, min-p, renormalising after each filter."""
+    if p.greedy:
+        best = max(range(len(logits)), key=lambda i: (logits[i], -i))
+        return [1.0 if i == best else 0.0 for i in range(len(logits))]
+    peak = max(logits)
+    weights = [math.exp((x - peak) / p.temperature) for x in logits]
+    total = sum(weights)
+    probs = {i: w / total for i, w in enumerate(weights)}
+    order = sorted(probs, key=lambda i: -probs[i])
+    if p.top_k > 0:
+        order = order[: p.top_k]
+    probs = _renorm({i: probs[i] for i in order})
+    kept, mass = [], 0.0
+    for i in order:  # smallest prefix whose mass reaches top_p, at least one token
+        kept.append(i)
+        mass += probs[i]
+        if mass >= p.top_p:
+            break
+    probs = _renorm({i: probs[i] for i in kept})
+    top = probs[kept[0]]
+    probs = _renorm({i: q for i, q in probs.items() if q >= p.min_p * top})
+    return [probs.get(i, 0.0) for i in range(len(logits))]
+
+
+def _renorm(probs: dict[int, float]) -> dict[int, float]:
+    total = sum(probs.values())
+    return {i: q / total for i, q in probs.items()}
+
+
+PARAM_GRID = [
+    SamplingParams(),
+    SamplingParams(temperature=0.0),
+    SamplingParams(top_k=1),
+    SamplingParams(temperature=0.5),
+    SamplingParams(temperature=1.7, top_k=5),
+    SamplingParams(temperature=0.8, top_p=0.7),
+    SamplingParams(temperature=1.3, top_k=10, top_p=0.6),
+    SamplingParams(min_p=0.2),
+    SamplingParams(temperature=2.0, top_k=20, top_p=0.9, min_p=0.05),
+    SamplingParams(top_p=0.01),
+    # Flat distribution: top-k keeps little mass, so top-p must see renormalised survivors.
+    SamplingParams(temperature=4.0, top_k=8, top_p=0.5),
+]
+
+
+def test_target_probs_matches_float64_reference() -> None:
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(len(PARAM_GRID), 64, generator=gen) * 3
+    got = target_probs(logits, PARAM_GRID)
+    assert got.dtype == torch.float32
+    for row, p in enumerate(PARAM_GRID):
+        want = torch.tensor(_reference_probs(logits[row].tolist(), p), dtype=torch.float64)
+        torch.testing.assert_close(got[row].double(), want, atol=2e-6, rtol=1e-5, msg=str(p))
+    # Same answer whether a row is computed alone or in a mixed batch.
+    for row, p in enumerate(PARAM_GRID):
+        torch.testing.assert_close(target_probs(logits[row : row + 1], [p])[0], got[row])
+
+
+def test_greedy_is_argmax_with_lowest_index_ties() -> None:
+    logits = torch.randn(6, 100, generator=torch.Generator().manual_seed(1))
+    logits[2, 7] = logits[2, 40] = logits[2].max() + 1.0  # tie: index 7 must win
+    params = [SamplingParams(temperature=0.0)] * 5 + [SamplingParams(top_k=1)]
+    res = sample(logits, params, [None] * 6)
+    assert torch.equal(res.tokens, logits.argmax(dim=-1))
+    assert res.tokens[2].item() == 7
+    torch.testing.assert_close(
+        res.logprobs, torch.log_softmax(logits, -1).gather(1, res.tokens[:, None]).squeeze(1)
+    )
+    assert res.top_logprobs is None
+
+
+def _frequencies(
+    probs_row: torch.Tensor, params: SamplingParams, draws: int, seeded: bool
+) -> torch.Tensor:
+    logits = probs_row.log().expand(draws, -1).contiguous()
+    if seeded:  # one generator per row exercises the per-request path
+        gens = [make_generator(seed, 0) for seed in range(draws)]
+        res = sample(logits, [params] * draws, gens)
+    else:
+        res = sample(logits, [params] * draws, [None] * draws, make_generator(None, 1234))
+    return torch.bincount(res.tokens, minlength=probs_row.numel()).double() / draws
+
+
+def _max_z(freq: torch.Tensor, probs: torch.Tensor, draws: int) -> float:
+    """Largest deviation in standard errors; tokens with zero target mass must never occur."""
+    probs = probs.double()
+    assert float(freq[probs == 0].sum()) == 0.0, "drew a token outside the support"
+    support = probs > 0
+    se = (probs[support] * (1 - probs[support]) / draws).sqrt().clamp_min(1e-12)
+    return float(((freq[support] - probs[support]).abs() / se).max())
+
+
+@pytest.mark.parametrize("seeded", [False, True])
+def test_sampling_frequencies_match_target_probs(seeded: bool) -> None:
+    base = torch.softmax(torch.tensor([2.0, 1.6, 1.2, 1.0, 0.7, 0.3, 0.0, -0.5]), -1)
+    params = SamplingParams(temperature=1.5, top_k=4, top_p=0.7)
+    draws = 4000 if seeded else 40000
+    target = target_probs(base.log()[None], [params])[0]
+    freq = _frequencies(base, params, draws, seeded)
+    assert _max_z(freq, target, draws) < 4.5
+    # The same statistic rejects a plausible wrong answer (top-p skipped), so it has power.
+    wrong = target_probs(base.log()[None], [SamplingParams(temperature=1.5, top_k=4)])[0]
+    assert float((freq - wrong.double()).abs().max()) > 0.05
+
+
+def test_same_seed_same_tokens_different_seed_differs() -> None:
+    logits = torch.randn(1, 1000, generator=torch.Generator().manual_seed(3))
+    params = [SamplingParams(temperature=1.0, top_p=0.95)]
+
+    def run(seed: int) -> list[int]:
+        gen = make_generator(seed, fallback_seed=0)
+        return [int(sample(logits, params, [gen]).tokens[0]) for _ in range(30)]
+
+    assert run(42) == run(42)
+    assert run(42) != run(43)
+
+
+def test_seeded_row_is_independent_of_batch_and_global_rng() -> None:
+    logits = torch.randn(4, 500, generator=torch.Generator().manual_seed(4))
+    p = SamplingParams(temperature=0.9, seed=7)
+    alone = sample(logits[:1], [p], [make_generator(p.seed, 0)]).tokens[0]
+    torch.manual_seed(999)
+    state = torch.get_rng_state()
+    batched = sample(
+        logits,
+        [p, SamplingParams(), SamplingParams(temperature=0.0), SamplingParams(top_k=3)],
+        [make_generator(p.seed, 0), None, None, make_generator(5, 0)],
+        make_generator(None, 1),
+    )
+    assert batched.tokens[0] == alone
+    assert torch.equal(torch.get_rng_state(), state), "sampling touched the global RNG"
+
+
+def test_missing_generator_is_an_error() -> None:
+    with pytest.raises(ValueError, match="no generator"):
+        sample(torch.zeros(1, 4), [SamplingParams()], [None])
+
+
+def test_make_generator_uses_fallback_seed() -> None:
+    a = torch.rand(3, generator=make_generator(None, 11))
+    b = torch.rand(3, generator=make_generator(11, 99))
+    assert torch.equal(a, b)
+
+
+def test_top_logprobs() -> None:
+    logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(5))
+    params = [
+        SamplingParams(logprobs=3),
+        SamplingParams(temperature=0.0),
+        SamplingParams(logprobs=5),
+    ]
+    res = sample(logits, params, [None] * 3, make_generator(None, 0))
+    ref = torch.log_softmax(logits, -1)
+    assert res.top_logprobs is not None
+    assert [len(t) for t in res.top_logprobs] == [3, 0, 5]
+    for row, tops in enumerate(res.top_logprobs):
+        ids = [i for i, _ in tops]
+        assert ids == ref[row].topk(len(ids)).indices.tolist()
+        for i, lp in tops:
+            assert lp == pytest.approx(float(ref[row, i]), abs=1e-6)
+    torch.testing.assert_close(res.logprobs, ref.gather(1, res.tokens[:, None]).squeeze(1))
+
+
+# ---------------------------------------------------------------------------------------------
+# Penalties
+
+
+def test_penalties_against_hand_computed_reference() -> None:
+    logits = torch.tensor([[2.0, -1.0, 0.5, 3.0, -2.0], [2.0, -1.0, 0.5, 3.0, -2.0]])
+    original = logits.clone()
+    params = [
+        SamplingParams(repetition_penalty=2.0, frequency_penalty=0.5, presence_penalty=0.25),
+        SamplingParams(),
+    ]
+    out = apply_penalties(logits, params, [torch.tensor([0, 1]), [0]], [[3, 3, 4], [3]])
+    # Repetition over prompt+output {0,1,3,4}: 2->1, -1->-2, 3->1.5, -2->-4; 0.5 untouched.
+    # Then output counts {3: 2, 4: 1}: 1.5 - 0.5*2 - 0.25 = 0.25; -4 - 0.5 - 0.25 = -4.75.
+    torch.testing.assert_close(out[0], torch.tensor([1.0, -2.0, 0.5, 0.25, -4.75]))
+    torch.testing.assert_close(out[1], original[1])
+    assert torch.equal(logits, original), "input logits were modified"
+
+
+def test_frequency_and_presence_ignore_prompt_tokens() -> None:
+    logits = torch.zeros(1, 4)
+    params = [SamplingParams(frequency_penalty=1.0, presence_penalty=-0.5)]
+    out = apply_penalties(logits, params, [[0, 0, 1]], [[1, 2, 2]])
+    torch.testing.assert_close(out[0], torch.tensor([0.0, -0.5, -1.5, 0.0]))
+
+
+def test_penalties_fast_path_returns_input() -> None:
+    logits = torch.randn(2, 10)
+    params = [SamplingParams(), SamplingParams(temperature=0.3)]
+    assert apply_penalties(logits, params, [[1], [2]], [[3], [4]]) is logits
+
+
+def test_min_new_tokens_bans_eos_and_stop_ids() -> None:
+    logits = torch.zeros(2, 6)
+    params = [
+        SamplingParams(min_new_tokens=3, stop_token_ids=(4,)),
+        SamplingParams(min_new_tokens=1),
+    ]
+    out = apply_min_tokens(logits, params, output_lens=[2, 1], eos_token_ids=[5])
+    assert out[0].isinf().tolist() == [False, False, False, False, True, True]
+    assert not out[1].isinf().any()
+    assert not logits.isinf().any()
+    assert apply_min_tokens(logits, params, output_lens=[3, 1], eos_token_ids=[5]) is logits
+
+
+# ---------------------------------------------------------------------------------------------
+# SamplingParams parsing and validation
+
+
+def test_from_dict_accepts_sglang_shapes() -> None:
+    p = SamplingParams.from_dict(
+        {"temperature": 0, "stop": "###", "stop_token_ids": [1, 2], "max_new_tokens": 8}
+    )
+    assert p.stop == ("###",) and p.stop_token_ids == (1, 2) and p.temperature == 0.0
+    assert p.greedy
+    assert SamplingParams.from_dict({"stop": ["a", "b"]}).stop == ("a", "b")
+    assert SamplingParams.from_dict({}) == SamplingParams()
+    assert not SamplingParams().greedy
+
+
+def test_from_dict_rejects_unknown_key() -> None:
+    with pytest.raises(ValueError, match="unknown sampling parameter 'foo'"):
+        SamplingParams.from_dict({"foo": 1})
+
+
+@pytest.mark.parametrize(
+    ("key", "value"),
+    [
+        ("top_k", "5"),
+        ("top_k", True),
+        ("temperature", "hot"),
+        ("stop", 3),
+        ("stop", ["a", 1]),
+        ("stop_token_ids", "1"),
+        ("ignore_eos", 1),
+        ("seed", 1.5),
+        ("max_new_tokens", 2.0),
+    ],
+)
+def test_from_dict_rejects_wrong_types(key: str, value: object) -> None:
+    with pytest.raises(ValueError, match=f"'{key}' must be"):
+        SamplingParams.from_dict({key: value})
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("max_new_tokens", -1),
+        ("max_new_tokens", 10**9),
+        ("temperature", -0.1),
+        ("top_p", 0.0),
+        ("top_p", 1.5),
+        ("top_k", 0),
+        ("top_k", -2),
+        ("min_p", 1.5),
+        ("min_p", -0.1),
+        ("repetition_penalty", 0.0),
+        ("frequency_penalty", 2.5),
+        ("presence_penalty", -3.0),
+        ("n", 0),
+        ("n", 17),
+        ("stop_token_ids", (100,)),
+        ("stop_token_ids", (-1,)),
+        ("min_new_tokens", -1),
+        ("logprobs", -1),
+        ("logprobs", 21),
+    ],
+)
+def test_validate_names_the_parameter(field: str, value: object) -> None:
+    p = SamplingParams(**{field: value})  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=f"'{field}'"):
+        p.validate(vocab_size=100, max_new_tokens_limit=4096)
+
+
+def test_validate_accepts_defaults_and_edges() -> None:
+    SamplingParams().validate(vocab_size=100, max_new_tokens_limit=4096)
+    SamplingParams(
+        temperature=0.0,
+        top_p=1.0,
+        top_k=1,
+        min_p=1.0,
+        frequency_penalty=-2.0,
+        presence_penalty=2.0,
+        n=16,
+        stop_token_ids=(0, 99),
+        logprobs=20,
+        max_new_tokens=4096,
+    ).validate(vocab_size=100, max_new_tokens_limit=4096)

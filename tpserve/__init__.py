@@ -1,0 +1,1 @@
+"""tpserve: tensor-parallel LLM inference server."""

@@ -1,0 +1,74 @@
+"""Server arguments: one frozen dataclass, flag names following SGLang where one exists."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class ServerArgs:
+    model: str | None = None  # None: the built-in demo model
+    tokenizer: str | None = None
+    host: str = "127.0.0.1"
+    port: int = 30000
+    allreduce: str = "auto"  # comma list; the first is active
+    device: str = "auto"
+    dtype: str = "auto"
+    context_length: int | None = None
+    max_running_requests: int = 64
+    max_queued_requests: int = 256
+    chunked_prefill_size: int = 512
+    page_size: int = 16
+    mem_fraction_static: float = 0.85
+    kv_cache_gb: float = 1.0  # CPU KV budget per rank
+    max_total_tokens: int | None = None
+    cpu_threads: int | None = None
+    max_new_tokens_limit: int = 32768
+    seed: int = 0
+    log_level: str = "info"
+    dist_timeout_s: float = 600.0
+    api_key: str | None = None
+    extra: dict[str, object] = field(default_factory=dict)
+
+
+FLAG_HELP = {
+    "model": "Hugging Face checkpoint directory (default: the built-in demo model)",
+    "tokenizer": "tokenizer directory (default: the model directory)",
+    "host": "bind address", "port": "HTTP port",
+    "allreduce": "allreduce backend(s): auto, gloo, shm, nccl, cuda_p2p, symm_mem; "
+                 "a comma list initialises several, the first active",
+    "device": "auto | cpu | cuda", "dtype": "auto | bfloat16 | float16 | float32",
+    "context_length": "max prompt + output tokens (default: the model's)",
+    "max_running_requests": "requests decoded together",
+    "max_queued_requests": "waiting requests beyond which new ones get 503",
+    "chunked_prefill_size": "max prompt tokens per prefill step",
+    "page_size": "tokens per KV page",
+    "mem_fraction_static": "GPU: fraction of memory for weights + KV cache",
+    "kv_cache_gb": "CPU: KV cache budget per rank in GB",
+    "max_total_tokens": "cap on KV cache tokens (overrides the memory-based size)",
+    "cpu_threads": "torch threads per rank on CPU (default: cores / local ranks)",
+    "max_new_tokens_limit": "largest max_new_tokens a request may ask for",
+    "seed": "server seed for requests without one",
+    "log_level": "debug | info | warning", "dist_timeout_s": "collective timeout (s)",
+    "api_key": "require 'Authorization: Bearer KEY' (also env TPSERVE_API_KEY)",
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="tpserve", description="Tensor-parallel LLM server")
+    for f in dataclasses.fields(ServerArgs):
+        if f.name == "extra":
+            continue
+        flag = "--" + f.name.replace("_", "-")
+        names = [flag, "--model-path"] if f.name == "model" else [flag]
+        kind = {"int": int, "float": float}.get(str(f.type).split(" ")[0], str)
+        parser.add_argument(*names, dest=f.name, type=kind, default=f.default,
+                            help=FLAG_HELP.get(f.name, ""))
+    return parser
+
+
+def parse_args(argv: list[str] | None = None) -> ServerArgs:
+    ns = build_parser().parse_args(argv)
+    return ServerArgs(**vars(ns))

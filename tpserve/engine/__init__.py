@@ -1,0 +1,1 @@
+"""Engine: KV cache, scheduling, forward execution and sampling."""

@@ -1,0 +1,108 @@
+"""Streaming text output: incremental detokenization and stop-string detection.
+
+This module owns turning a growing list of token ids into text chunks that are safe to stream:
+never half a UTF-8 character, never the start of a stop string that may still complete.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from tokenizers import Tokenizer
+
+# Prompt tokens decoded as context before the first output token. Tokenizers such as
+# SentencePiece render a token differently at the start of a sequence (leading space dropped),
+# so the first output token must be decoded after a few real predecessors.
+CONTEXT_TOKENS = 5
+# A UTF-8 character spans at most 4 bytes, so a run this long that still decodes to a trailing
+# U+FFFD is invalid output, not an incomplete character; emit it rather than buffer forever.
+MAX_HELD_TOKENS = 16
+_REPLACEMENT = "\ufffd"
+
+
+class IncrementalDetokenizer:
+    """Decode output tokens as they arrive, O(window) work per call.
+
+    Keeps two offsets into the token list: text for tokens before `_read_offset` has been
+    emitted, and `_prefix_offset` marks the start of the context window decoded alongside the
+    new tokens, so each step decodes only the last emitted chunk plus the pending tokens.
+    """
+
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        skip_special_tokens: bool = True,
+        prompt_ids: Sequence[int] = (),
+    ) -> None:
+        self._tokenizer = tokenizer
+        self._skip_special = skip_special_tokens
+        self._ids: list[int] = [int(t) for t in prompt_ids[-CONTEXT_TOKENS:]]
+        self._prefix_offset = 0
+        self._read_offset = len(self._ids)
+        self._text = ""
+
+    @property
+    def text(self) -> str:
+        """All output text emitted so far."""
+        return self._text
+
+    def _decode(self, ids: list[int]) -> str:
+        return self._tokenizer.decode(ids, skip_special_tokens=self._skip_special)
+
+    def add(self, new_ids: Sequence[int]) -> str:
+        """Append tokens and return the text they completed (possibly empty)."""
+        self._ids.extend(new_ids)
+        return self._advance(force=False)
+
+    def finish(self) -> str:
+        """Flush held-back text at end of generation, even if it ends in U+FFFD."""
+        return self._advance(force=True)
+
+    def _advance(self, force: bool) -> str:
+        if self._read_offset >= len(self._ids):
+            return ""
+        prefix_text = self._decode(self._ids[self._prefix_offset : self._read_offset])
+        full_text = self._decode(self._ids[self._prefix_offset :])
+        pending = len(self._ids) - self._read_offset
+        incomplete = full_text.endswith(_REPLACEMENT) and pending < MAX_HELD_TOKENS
+        if len(full_text) <= len(prefix_text) or (incomplete and not force):
+            # Nothing visible yet (e.g. a skipped special token) or a split character.
+            return ""
+        chunk = full_text[len(prefix_text) :]
+        self._prefix_offset = self._read_offset
+        self._read_offset = len(self._ids)
+        self._text += chunk
+        return chunk
+
+
+class StopChecker:
+    """Finds stop strings in streamed text and decides how much text is safe to emit."""
+
+    def __init__(self, stop: Sequence[str]) -> None:
+        self._stop = tuple(s for s in stop if s)
+        self._max_len = max((len(s) for s in self._stop), default=0)
+
+    def check(self, text: str, new_start: int) -> int | None:
+        """Index in `text` where the earliest stop string begins, or None.
+
+        Only matches that overlap text from `new_start` on are searched for; earlier text was
+        already checked when it arrived.
+        """
+        if not self._stop:
+            return None
+        start = max(0, new_start - self._max_len + 1)
+        hits = [i for i in (text.find(s, start) for s in self._stop) if i >= 0]
+        return min(hits) if hits else None
+
+    def safe_prefix_len(self, text: str) -> int:
+        """Length of the prefix of `text` that cannot be part of a stop string completed later.
+
+        Holds back the longest suffix of `text` that is a proper prefix of some stop string.
+        """
+        held = 0
+        for s in self._stop:
+            for n in range(min(len(s) - 1, len(text)), held, -1):
+                if text.endswith(s[:n]):
+                    held = n
+                    break
+        return len(text) - held

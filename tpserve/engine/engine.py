@@ -1,0 +1,157 @@
+"""Rank 0's engine loop and the follower loop of the other ranks.
+
+Rank 0 runs ``Engine.run`` in a thread: it drains commands from the HTTP side, asks the
+scheduler for a batch, sends the plan over the control channel, runs its own shard of the
+forward, samples, and emits outputs. Followers run ``follow``: receive a plan, run the same
+forward (their allreduces pair with rank 0's), repeat. Only rank 0 samples; the tokens
+reach the followers inside the next plan, so every rank sees identical inputs.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+
+from tpserve.engine.finish import append_tokens, emit_progress
+from tpserve.engine.plan import StepPlan
+from tpserve.engine.request import Request
+from tpserve.engine.runner import ModelRunner
+from tpserve.engine.sampler import apply_min_tokens, apply_penalties, sample
+from tpserve.engine.scheduler import ScheduledBatch, Scheduler
+
+log = logging.getLogger(__name__)
+
+
+class Channel(Protocol):
+    def send(self, obj: Any) -> None: ...
+
+    def recv(self) -> Any: ...
+
+
+@dataclass
+class Command:
+    kind: str  # "add" | "abort" | "call"
+    payload: Any = None
+    done: Callable[[Any], None] | None = None
+
+
+@dataclass
+class EngineStats:
+    steps: int = 0
+    prefill_tokens: int = 0
+    decode_tokens: int = 0
+    control_seconds: float = 0.0
+    step_seconds: float = 0.0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+class Engine:
+    def __init__(self, runner: ModelRunner, scheduler: Scheduler, channel: Channel | None,
+                 context_length: int) -> None:
+        self.runner = runner
+        self.scheduler = scheduler
+        self.channel = channel
+        self.context_length = context_length
+        self.inbox: queue.Queue[Command] = queue.Queue()
+        self.stats = EngineStats()
+        self.stopping = threading.Event()
+        self.error: BaseException | None = None
+
+    def submit(self, cmd: Command) -> None:
+        self.inbox.put(cmd)
+
+    def run(self) -> None:
+        try:
+            while not self.stopping.is_set():
+                self._drain(block=not self.scheduler.has_work())
+                batch = self.scheduler.next_batch()
+                if batch is not None:
+                    self.step(batch)
+        except BaseException as exc:  # surfaced to /health and the process exit code
+            log.exception("engine loop failed")
+            self.error = exc
+        finally:
+            for req in list(self.scheduler.running) + list(self.scheduler.waiting):
+                self.scheduler.finish(req, "server shutting down")
+            self.broadcast(StepPlan(kind="shutdown"))
+
+    def broadcast(self, plan: StepPlan) -> None:
+        if self.channel is not None:
+            start = time.perf_counter()
+            self.channel.send(plan)
+            self.stats.control_seconds += time.perf_counter() - start
+
+    def _drain(self, block: bool) -> None:
+        try:
+            cmd = self.inbox.get(timeout=0.05) if block else self.inbox.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            self._handle(cmd)
+            try:
+                cmd = self.inbox.get_nowait()
+            except queue.Empty:
+                return
+
+    def _handle(self, cmd: Command) -> None:
+        if cmd.kind == "add":
+            self.scheduler.add(cmd.payload)
+            result: Any = True
+        elif cmd.kind == "abort":
+            result = self.scheduler.abort(cmd.payload)
+        else:  # "call": run a function on the engine thread, between steps
+            result = cmd.payload(self)
+        if cmd.done is not None:
+            cmd.done(result)
+
+    def step(self, batch: ScheduledBatch) -> None:
+        start = time.perf_counter()
+        plan = self.scheduler.plan(batch)
+        self.broadcast(plan)
+        out = self.runner.forward(plan)
+        sampling = [r for r, s in zip(batch.requests, batch.samples()) if s]
+        tokens, logprobs = self.sample(sampling, out.logits) if sampling else ([], [])
+        for req, q in zip(batch.requests, batch.q_lens):
+            req.num_cached += q
+        for req, token, lp in zip(sampling, tokens, logprobs):
+            append_tokens(req, [token], self.context_length, [lp])
+            emit_progress(req)
+        self.scheduler.release_finished()
+        self._account(batch, time.perf_counter() - start)
+
+    def sample(self, reqs: list[Request], logits: torch.Tensor) -> tuple[list[int], list[Any]]:
+        params = [r.params for r in reqs]
+        logits = apply_penalties(logits, params, [r.prompt_ids for r in reqs],
+                                 [r.output_ids for r in reqs])
+        eos = sorted({t for r in reqs for t in r.eos_ids})
+        logits = apply_min_tokens(logits, params, [len(r.output_ids) for r in reqs], eos)
+        result = sample(logits, params, [r.generator for r in reqs])
+        tokens = result.tokens.tolist()
+        lps = result.logprobs.tolist()
+        tops = result.top_logprobs or [None] * len(reqs)
+        return tokens, [(t, lp, top) for t, lp, top in zip(tokens, lps, tops)]
+
+    def _account(self, batch: ScheduledBatch, seconds: float) -> None:
+        self.stats.steps += 1
+        self.stats.step_seconds += seconds
+        if batch.kind == "prefill":
+            self.stats.prefill_tokens += sum(batch.q_lens)
+        else:
+            self.stats.decode_tokens += len(batch.requests)
+
+
+def follow(runner: ModelRunner, channel: Channel) -> None:
+    """Non-zero ranks: execute plans until told to stop."""
+    while True:
+        plan: StepPlan = channel.recv()
+        if plan.kind == "shutdown":
+            return
+        if plan.kind == "forward":
+            runner.forward(plan)

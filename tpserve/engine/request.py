@@ -1,0 +1,86 @@
+"""A request's state inside the engine, and the output events it emits to the server."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from tpserve.engine.detokenizer import IncrementalDetokenizer, StopChecker
+from tpserve.engine.sampling_params import SamplingParams
+
+
+@dataclass
+class RequestOutput:
+    """One event for the server: new text/tokens, and the final state when finished."""
+
+    rid: str
+    text: str  # all output text so far (stop strings excluded)
+    new_text: str
+    output_ids: list[int]
+    new_ids: list[int]
+    finished: bool
+    finish_reason: dict[str, Any] | None
+    meta: dict[str, Any]
+    logprobs: list[tuple[int, float, list[tuple[int, float]] | None]] = field(default_factory=list)
+
+
+@dataclass
+class Request:
+    rid: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    generator: torch.Generator
+    detok: IncrementalDetokenizer
+    stop: StopChecker
+    emit: Callable[[RequestOutput], None]
+    eos_ids: frozenset[int] = frozenset()
+    output_ids: list[int] = field(default_factory=list)
+    pages: list[int] = field(default_factory=list)
+    num_cached: int = 0  # tokens whose KV is in the cache
+    text: str = ""
+    streamed_text: int = 0
+    streamed_ids: int = 0
+    finish_reason: dict[str, Any] | None = None
+    arrival: float = field(default_factory=time.perf_counter)
+    first_token_at: float | None = None
+    logprobs: list[tuple[int, float, list[tuple[int, float]] | None]] = field(default_factory=list)
+    stats: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def seq_len(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def pending(self) -> int:
+        """Tokens whose KV still has to be computed (1 for a request in decode)."""
+        return self.seq_len - self.num_cached
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def token_at(self, index: int) -> int:
+        n = len(self.prompt_ids)
+        return self.prompt_ids[index] if index < n else self.output_ids[index - n]
+
+    def tokens(self, start: int, end: int) -> list[int]:
+        full = self.prompt_ids + self.output_ids if end > len(self.prompt_ids) else self.prompt_ids
+        return full[start:end]
+
+    def meta(self) -> dict[str, Any]:
+        now = time.perf_counter()
+        meta: dict[str, Any] = {
+            "id": self.rid,
+            "prompt_tokens": len(self.prompt_ids),
+            "completion_tokens": len(self.output_ids),
+            "finish_reason": self.finish_reason,
+            "e2e_latency": now - self.arrival,
+        }
+        if self.first_token_at is not None:
+            meta["ttft"] = self.first_token_at - self.arrival
+        meta.update(self.stats)
+        return meta

@@ -1,0 +1,210 @@
+"""Batched token sampling: logit penalties, the sampled distribution, and the draw itself.
+
+This module owns turning a [B, V] logits tensor into next tokens. It is pure torch, never touches
+the global RNG (every draw uses an explicit `torch.Generator`), and exposes `target_probs`, the
+exact distribution `sample` draws from, so speculative decoding can do rejection sampling
+against the same distribution.
+
+Filter order follows SGLang: temperature, then top-k, top-p, min-p. Each filter renormalises
+before the next one looks at the probabilities (as HF and vLLM do), so top-p's cumulative mass
+is measured within the top-k survivors.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from tpserve.engine.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True)
+class SampleResult:
+    """Chosen tokens and their log-probabilities under the (penalised) model distribution."""
+
+    tokens: Tensor  # [B] long
+    logprobs: Tensor  # [B] float32: log_softmax(logits)[token]
+    top_logprobs: list[list[tuple[int, float]]] | None  # per row, best first; None if unasked
+
+
+def make_generator(
+    seed: int | None, fallback_seed: int, device: torch.device | str = "cpu"
+) -> torch.Generator:
+    """A generator seeded with the request's seed, or with `fallback_seed` when it has none."""
+    gen = torch.Generator(device=device)
+    gen.manual_seed(seed if seed is not None else fallback_seed)
+    return gen
+
+
+def _as_long(ids: Tensor | Sequence[int], device: torch.device) -> Tensor:
+    return torch.as_tensor(ids, dtype=torch.long, device=device).reshape(-1)
+
+
+def apply_penalties(
+    logits: Tensor,
+    params: Sequence[SamplingParams],
+    prompt_ids: Sequence[Tensor | Sequence[int]],
+    output_ids: Sequence[Sequence[int]],
+) -> Tensor:
+    """Apply repetition, frequency and presence penalties; returns a new tensor when any apply.
+
+    Repetition (HF style) looks at prompt + output tokens: positive logits are divided by the
+    penalty, negative ones multiplied. Frequency (penalty * count) and presence (penalty once)
+    look at output tokens only, as in OpenAI/SGLang. Repetition is applied first, like vLLM.
+    The input tensor is never modified.
+    """
+    rows = [i for i, p in enumerate(params) if p.uses_penalties]
+    if not rows:
+        return logits  # common case: no copies, no work
+    out = logits.clone()
+    for i in rows:
+        p = params[i]
+        row = out[i]
+        generated = _as_long(output_ids[i], out.device)
+        if p.repetition_penalty != 1.0:
+            seen = torch.cat([_as_long(prompt_ids[i], out.device), generated]).unique()
+            vals = row[seen]
+            row[seen] = torch.where(
+                vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty
+            )
+        if generated.numel() and (p.frequency_penalty != 0.0 or p.presence_penalty != 0.0):
+            ids, counts = generated.unique(return_counts=True)
+            row[ids] -= p.frequency_penalty * counts.to(row.dtype) + p.presence_penalty
+    return out
+
+
+def apply_min_tokens(
+    logits: Tensor,
+    params: Sequence[SamplingParams],
+    output_lens: Sequence[int],
+    eos_token_ids: Sequence[int],
+) -> Tensor:
+    """Ban EOS and stop_token_ids for rows that have not yet produced min_new_tokens tokens.
+
+    Returns a new tensor when any row is affected; the input is never modified.
+    """
+    rows = [i for i, p in enumerate(params) if output_lens[i] < p.min_new_tokens]
+    if not rows:
+        return logits
+    out = logits.clone()
+    for i in rows:
+        banned = list(eos_token_ids) + list(params[i].stop_token_ids)
+        if banned:
+            out[i, _as_long(banned, out.device)] = float("-inf")
+    return out
+
+
+def _column(values: list[float], like: Tensor) -> Tensor:
+    return torch.tensor(values, dtype=like.dtype, device=like.device).unsqueeze(1)
+
+
+def _filter_sorted(sorted_probs: Tensor, params: Sequence[SamplingParams]) -> Tensor:
+    """Apply top-k, top-p, min-p to descending-sorted probabilities; returns unnormalised mass."""
+    vocab = sorted_probs.shape[-1]
+    ranks = torch.arange(vocab, device=sorted_probs.device).unsqueeze(0)
+    probs = sorted_probs
+    if any(p.top_k > 0 for p in params):
+        top_k = _column([p.top_k if p.top_k > 0 else vocab for p in params], probs)
+        probs = probs.masked_fill(ranks >= top_k, 0.0)
+        probs = probs / probs.sum(dim=-1, keepdim=True)
+    if any(p.top_p < 1.0 for p in params):
+        # top_p == 1 rows get +inf so float32 cumsum rounding can never drop their tail.
+        top_p = _column([p.top_p if p.top_p < 1.0 else float("inf") for p in params], probs)
+        mass_before = probs.cumsum(dim=-1) - probs
+        # Keep the smallest prefix whose mass reaches top_p; rank 0 always has mass_before 0.
+        probs = probs.masked_fill((mass_before >= top_p) & (ranks > 0), 0.0)
+        probs = probs / probs.sum(dim=-1, keepdim=True)
+    if any(p.min_p > 0.0 for p in params):
+        threshold = _column([p.min_p for p in params], probs) * probs[:, :1]
+        probs = probs.masked_fill(probs < threshold, 0.0)
+    return probs
+
+
+def _needs_filtering(params: Sequence[SamplingParams]) -> bool:
+    return any(p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0.0 for p in params)
+
+
+def target_probs(logits: Tensor, params: Sequence[SamplingParams]) -> Tensor:
+    """The [B, V] float32 distribution `sample` draws from; greedy rows are one-hot at argmax."""
+    logits = logits.float()
+    greedy = [p.greedy for p in params]
+    # Greedy rows get temperature 1 only to keep the arithmetic finite; they are replaced below.
+    temps = _column([1.0 if p.greedy else p.temperature for p in params], logits)
+    probs = torch.softmax(logits / temps, dim=-1)
+    if _needs_filtering(params):
+        sorted_probs, order = probs.sort(dim=-1, descending=True, stable=True)
+        kept = _filter_sorted(sorted_probs, params)
+        kept = kept / kept.sum(dim=-1, keepdim=True)
+        probs = torch.empty_like(probs).scatter_(1, order, kept)
+    if any(greedy):
+        rows = torch.tensor(greedy, device=logits.device)
+        one_hot = torch.zeros_like(probs).scatter_(1, logits.argmax(dim=-1, keepdim=True), 1.0)
+        probs = torch.where(rows.unsqueeze(1), one_hot, probs)
+    return probs
+
+
+def _draw(
+    probs: Tensor, generators: Sequence[torch.Generator | None], fallback: torch.Generator | None
+) -> Tensor:
+    """One multinomial draw per row: seeded rows use their own generator (so their stream does
+    not depend on batch composition); unseeded rows share one batched draw from `fallback`."""
+    tokens = torch.empty(probs.shape[0], dtype=torch.long, device=probs.device)
+    unseeded = [i for i, gen in enumerate(generators) if gen is None]
+    if unseeded:
+        if fallback is None:
+            raise ValueError(
+                f"row {unseeded[0]} has no generator and no fallback_generator was given; "
+                "sampling never uses the global RNG"
+            )
+        idx = torch.tensor(unseeded, device=probs.device)
+        tokens[idx] = torch.multinomial(probs[idx], 1, generator=fallback).squeeze(1)
+    for i, gen in enumerate(generators):
+        if gen is not None:
+            tokens[i] = torch.multinomial(probs[i], 1, generator=gen)[0]
+    return tokens
+
+
+def _top_logprobs(
+    logprobs: Tensor, params: Sequence[SamplingParams]
+) -> list[list[tuple[int, float]]]:
+    k_max = max(p.logprobs for p in params)
+    values, indices = logprobs.topk(k_max, dim=-1)
+    values_l, indices_l = values.tolist(), indices.tolist()
+    return [
+        list(zip(indices_l[i][: p.logprobs], values_l[i][: p.logprobs], strict=True))
+        for i, p in enumerate(params)
+    ]
+
+
+def sample(
+    logits: Tensor,
+    params: Sequence[SamplingParams],
+    generators: Sequence[torch.Generator | None],
+    fallback_generator: torch.Generator | None = None,
+) -> SampleResult:
+    """Choose one token per row of (already penalised) logits.
+
+    Greedy rows take argmax (ties resolve to the lowest index). Other rows draw from
+    `target_probs` with their own generator, or `fallback_generator` when theirs is None.
+    """
+    if len(params) != logits.shape[0] or len(generators) != logits.shape[0]:
+        raise ValueError("logits, params and generators must have the same batch size")
+    logits = logits.float()
+    tokens = logits.argmax(dim=-1)
+    sampled_rows = [i for i, p in enumerate(params) if not p.greedy]
+    if sampled_rows:
+        idx = torch.tensor(sampled_rows, device=logits.device)
+        probs = target_probs(logits[idx], [params[i] for i in sampled_rows])
+        drawn = _draw(probs, [generators[i] for i in sampled_rows], fallback_generator)
+        tokens[idx] = drawn
+    want_top = any(p.logprobs > 0 for p in params)
+    if want_top:
+        logprobs_all = torch.log_softmax(logits, dim=-1)
+        chosen = logprobs_all.gather(1, tokens.unsqueeze(1)).squeeze(1)
+        return SampleResult(tokens, chosen, _top_logprobs(logprobs_all, params))
+    # Without top-logprobs, logit - logsumexp avoids materialising a second [B, V] tensor.
+    chosen = logits.gather(1, tokens.unsqueeze(1)).squeeze(1) - logits.logsumexp(dim=-1)
+    return SampleResult(tokens, chosen, None)

@@ -1,0 +1,181 @@
+"""Per-request sampling parameters: the SGLang-compatible schema, parsing and validation.
+
+This module owns the `SamplingParams` value object. Field names and defaults follow SGLang's
+`sampling_params` so that `/generate` requests written for SGLang work unchanged.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+# Upper bounds that are policy, not physics: they keep one request from monopolising the server.
+MAX_N = 16
+MAX_TOP_LOGPROBS = 20
+PENALTY_RANGE = (-2.0, 2.0)
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How one request wants its tokens chosen and when generation should stop."""
+
+    max_new_tokens: int = 128
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1  # -1 disables top-k
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    n: int = 1
+    seed: int | None = None
+    skip_special_tokens: bool = True
+    min_new_tokens: int = 0
+    logprobs: int = 0  # number of top logprobs returned per token; 0 = none
+
+    @property
+    def greedy(self) -> bool:
+        """True when sampling degenerates to argmax (temperature 0 or top_k 1)."""
+        return self.temperature == 0.0 or self.top_k == 1
+
+    @property
+    def uses_penalties(self) -> bool:
+        """True when any logit penalty is active, so the sampler can skip penalty work."""
+        return (
+            self.repetition_penalty != 1.0
+            or self.frequency_penalty != 0.0
+            or self.presence_penalty != 0.0
+        )
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> SamplingParams:
+        """Parse a JSON-like mapping, rejecting unknown keys and ill-typed values."""
+        known = {f.name for f in dataclasses.fields(cls)}
+        kwargs: dict[str, Any] = {}
+        for key, value in d.items():
+            if key not in known:
+                raise ValueError(f"unknown sampling parameter '{key}'")
+            kwargs[key] = _coerce(key, value)
+        return cls(**kwargs)
+
+    def validate(self, vocab_size: int, max_new_tokens_limit: int) -> None:
+        """Raise ValueError naming the first out-of-range parameter."""
+        _check(
+            0 <= self.max_new_tokens <= max_new_tokens_limit,
+            "max_new_tokens",
+            f"must be in [0, {max_new_tokens_limit}], got {self.max_new_tokens}",
+        )
+        _check(self.temperature >= 0.0, "temperature", f"must be >= 0, got {self.temperature}")
+        _check(0.0 < self.top_p <= 1.0, "top_p", f"must be in (0, 1], got {self.top_p}")
+        _check(
+            self.top_k == -1 or self.top_k >= 1,
+            "top_k",
+            f"must be -1 (disabled) or >= 1, got {self.top_k}",
+        )
+        _check(0.0 <= self.min_p <= 1.0, "min_p", f"must be in [0, 1], got {self.min_p}")
+        _check(
+            self.repetition_penalty > 0.0,
+            "repetition_penalty",
+            f"must be > 0, got {self.repetition_penalty}",
+        )
+        lo, hi = PENALTY_RANGE
+        for name in ("frequency_penalty", "presence_penalty"):
+            value = getattr(self, name)
+            _check(lo <= value <= hi, name, f"must be in [{lo}, {hi}], got {value}")
+        _check(1 <= self.n <= MAX_N, "n", f"must be in [1, {MAX_N}], got {self.n}")
+        for tok in self.stop_token_ids:
+            _check(
+                0 <= tok < vocab_size,
+                "stop_token_ids",
+                f"token id {tok} is outside the vocabulary [0, {vocab_size})",
+            )
+        _check(
+            self.min_new_tokens >= 0,
+            "min_new_tokens",
+            f"must be >= 0, got {self.min_new_tokens}",
+        )
+        _check(
+            0 <= self.logprobs <= MAX_TOP_LOGPROBS,
+            "logprobs",
+            f"must be in [0, {MAX_TOP_LOGPROBS}], got {self.logprobs}",
+        )
+
+
+def _check(ok: bool, name: str, detail: str) -> None:
+    if not ok:
+        raise ValueError(f"invalid sampling parameter '{name}': {detail}")
+
+
+def _is_int(value: Any) -> bool:
+    # bool is a subclass of int, but `"top_k": true` is a client bug, not a number.
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _type_error(key: str, expected: str, value: Any) -> ValueError:
+    return ValueError(
+        f"sampling parameter '{key}' must be {expected}, got {type(value).__name__} {value!r}"
+    )
+
+
+_INT_FIELDS = frozenset({"max_new_tokens", "top_k", "n", "min_new_tokens", "logprobs"})
+_FLOAT_FIELDS = frozenset(
+    {
+        "temperature",
+        "top_p",
+        "min_p",
+        "repetition_penalty",
+        "frequency_penalty",
+        "presence_penalty",
+    }
+)
+_BOOL_FIELDS = frozenset({"ignore_eos", "skip_special_tokens"})
+
+
+def _coerce(key: str, value: Any) -> Any:
+    """Convert one JSON value to the field's Python type, or raise a message naming the key."""
+    if key in _INT_FIELDS:
+        if not _is_int(value):
+            raise _type_error(key, "an integer", value)
+        return value
+    if key in _FLOAT_FIELDS:
+        if not (_is_int(value) or isinstance(value, float)):
+            raise _type_error(key, "a number", value)
+        return float(value)
+    if key in _BOOL_FIELDS:
+        if not isinstance(value, bool):
+            raise _type_error(key, "a boolean", value)
+        return value
+    if key == "seed":
+        if value is not None and not _is_int(value):
+            raise _type_error(key, "an integer or null", value)
+        return value
+    if key == "stop":
+        return _coerce_stop(value)
+    if key == "stop_token_ids":
+        return _coerce_stop_token_ids(value)
+    raise AssertionError(f"field '{key}' has no coercion rule")  # new field added without a rule
+
+
+def _coerce_stop(value: Any) -> tuple[str, ...]:
+    if value is None:
+        return ()
+    if isinstance(value, str):
+        value = [value]
+    if not isinstance(value, (list, tuple)) or not all(isinstance(s, str) for s in value):
+        raise _type_error("stop", "a string or a list of strings", value)
+    if any(s == "" for s in value):
+        raise ValueError("sampling parameter 'stop' must not contain empty strings")
+    return tuple(value)
+
+
+def _coerce_stop_token_ids(value: Any) -> tuple[int, ...]:
+    if value is None:
+        return ()
+    if not isinstance(value, (list, tuple)) or not all(_is_int(t) for t in value):
+        raise _type_error("stop_token_ids", "a list of integers", value)
+    return tuple(value)

@@ -1,0 +1,173 @@
+"""Rank 0's scheduler: FCFS admission, chunked prefill, continuous batching, preemption.
+
+Each call to ``next_batch`` returns either a prefill batch (prompt chunks within the token
+budget) or a decode batch (one token per running request), alternating when both kinds are
+ready so a burst of new prompts cannot starve requests already decoding. When pages run out
+during decode the most recently admitted request is preempted: its pages are freed and it
+re-enters the queue to be recomputed (prompt + output so far) later.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+import numpy as np
+
+from tpserve.engine.finish import abort
+from tpserve.engine.kv_cache import PageAllocator
+from tpserve.engine.plan import StepPlan
+from tpserve.engine.request import Request
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    page_size: int
+    max_running_requests: int
+    chunked_prefill_size: int
+    context_length: int
+
+
+@dataclass
+class ScheduledBatch:
+    kind: str  # "prefill" | "decode"
+    requests: list[Request]
+    q_lens: list[int]
+
+    def samples(self) -> list[bool]:
+        """Whether each request gets a new token from this step (its last chunk was fed)."""
+        return [r.num_cached + q == r.seq_len for r, q in zip(self.requests, self.q_lens)]
+
+
+class Scheduler:
+    def __init__(self, cfg: SchedulerConfig, allocator: PageAllocator) -> None:
+        self.cfg = cfg
+        self.allocator = allocator
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self._prefer_decode = False
+        self.preemptions = 0
+
+    def add(self, req: Request) -> None:
+        self.waiting.append(req)
+
+    def find(self, rid: str) -> Request | None:
+        return next((r for r in (*self.running, *self.waiting) if r.rid == rid), None)
+
+    def abort(self, rid: str, message: str = "aborted") -> bool:
+        req = self.find(rid)
+        if req is None:
+            return False
+        self.finish(req, message)
+        return True
+
+    def finish(self, req: Request, message: str = "aborted") -> None:
+        """Remove ``req`` from every queue, free its pages and send its final event."""
+        if req in self.running:
+            self.running.remove(req)
+        if req in self.waiting:
+            self.waiting.remove(req)
+        self.allocator.free(req.pages)
+        req.pages = []
+        abort(req, message)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def pages_needed(self, req: Request, tokens: int) -> int:
+        return -(-tokens // self.cfg.page_size) - len(req.pages)
+
+    def reserve(self, req: Request, tokens: int) -> bool:
+        """Make ``req`` own enough pages for ``tokens`` tokens."""
+        need = self.pages_needed(req, tokens)
+        if need <= 0:
+            return True
+        pages = self.allocator.alloc(need)
+        if pages is None:
+            return False
+        req.pages.extend(pages)
+        return True
+
+    def next_batch(self) -> ScheduledBatch | None:
+        decode = [r for r in self.running if r.pending == 1]
+        if decode and (self._prefer_decode or not self._prefill_possible()):
+            self._prefer_decode = False
+            return self._decode_batch()
+        prefill = self._prefill_batch()
+        if prefill is not None:
+            self._prefer_decode = True
+            return prefill
+        return self._decode_batch() if decode else None
+
+    def _prefill_possible(self) -> bool:
+        return any(r.pending > 1 for r in self.running) or (
+            bool(self.waiting) and len(self.running) < self.cfg.max_running_requests)
+
+    def _prefill_batch(self) -> ScheduledBatch | None:
+        budget = self.cfg.chunked_prefill_size
+        reqs, lens = [], []
+        for req in [r for r in self.running if r.pending > 1]:
+            q = min(req.pending, budget)
+            if q <= 0 or not self.reserve(req, req.num_cached + q):
+                break
+            reqs.append(req)
+            lens.append(q)
+            budget -= q
+        while budget > 0 and self.waiting and len(self.running) < self.cfg.max_running_requests:
+            req = self.waiting[0]
+            if self._cannot_ever_fit(req):
+                self.finish(req, "prompt needs more KV cache than the server has")
+                continue
+            q = min(req.pending, budget)
+            if not self.reserve(req, req.num_cached + q):
+                break
+            self.waiting.popleft()
+            self.running.append(req)
+            reqs.append(req)
+            lens.append(q)
+            budget -= q
+        return ScheduledBatch("prefill", reqs, lens) if reqs else None
+
+    def _cannot_ever_fit(self, req: Request) -> bool:
+        return self.pages_needed(req, req.seq_len + 1) > self.allocator.num_usable
+
+    def _decode_batch(self) -> ScheduledBatch | None:
+        batch: list[Request] = []
+        for req in [r for r in self.running if r.pending == 1]:
+            while req in self.running and not self.reserve(req, req.seq_len):
+                self._preempt_latest()
+            if req in self.running:
+                batch.append(req)
+        return ScheduledBatch("decode", batch, [1] * len(batch)) if batch else None
+
+    def _preempt_latest(self) -> None:
+        victim = self.running.pop()
+        self.allocator.free(victim.pages)
+        victim.pages, victim.num_cached = [], 0
+        self.waiting.appendleft(victim)
+        self.preemptions += 1
+
+    def plan(self, batch: ScheduledBatch) -> StepPlan:
+        """The compact per-step message every rank expands into tensors."""
+        q_max = max(batch.q_lens)
+        b = len(batch.requests)
+        tokens = np.zeros((b, q_max), dtype=np.int64)
+        p_max = max(len(r.pages) for r in batch.requests)
+        pages = np.zeros((b, p_max), dtype=np.int32)
+        for i, (req, q) in enumerate(zip(batch.requests, batch.q_lens)):
+            tokens[i, :q] = req.tokens(req.num_cached, req.num_cached + q)
+            pages[i, : len(req.pages)] = req.pages
+        rows = [i * q_max + q - 1 for i, (q, s) in enumerate(zip(batch.q_lens, batch.samples())) if s]
+        return StepPlan(
+            kind="forward", token_ids=tokens, q_lens=np.array(batch.q_lens, dtype=np.int32),
+            cached_lens=np.array([r.num_cached for r in batch.requests], dtype=np.int32),
+            page_table=pages, logit_rows=np.array(rows, dtype=np.int64),
+        )
+
+    def release_finished(self) -> list[Request]:
+        done = [r for r in self.running if r.finished]
+        for req in done:
+            self.running.remove(req)
+            self.allocator.free(req.pages)
+            req.pages = []
+        return done

@@ -1,0 +1,158 @@
+"""Start-up: distributed init, model + KV cache on every rank, then serve (rank 0) or follow.
+
+Start-up logs each phase with its duration, so a slow start shows where its time went.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from tokenizers import Tokenizer
+
+from comm_backends import BackendUnavailable
+from tpserve.args import ServerArgs
+from tpserve.control import make_channel
+from tpserve.demo import ensure_demo_model
+from tpserve.dist import CommSwitch, RankInfo, cpu_threads_per_rank, create_comm, init_process_group, rank_info
+from tpserve.engine.engine import Engine, follow
+from tpserve.engine.kv_cache import KVCache, KVCacheConfig, PageAllocator
+from tpserve.engine.runner import ModelRunner
+from tpserve.engine.scheduler import Scheduler, SchedulerConfig
+from tpserve.layers.tp import TPContext
+from tpserve.loader import resolve_dtype
+from tpserve.models.config import ModelConfig, load_config
+from tpserve.models.registry import build_model
+
+log = logging.getLogger("tpserve")
+
+
+@contextmanager
+def phase(name: str):  # type: ignore[no-untyped-def]
+    start = time.perf_counter()
+    log.info("%s ...", name)
+    yield
+    log.info("%s done in %.2fs", name, time.perf_counter() - start)
+
+
+@dataclass
+class RankSetup:
+    info: RankInfo
+    cfg: ModelConfig
+    model_dir: Path
+    comm: CommSwitch
+    runner: ModelRunner
+    context_length: int
+    dtype: torch.dtype
+
+
+def kv_budget_bytes(args: ServerArgs, info: RankInfo) -> int:
+    if info.device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(info.device)
+        return max(0, int(total * args.mem_fraction_static) - (total - free))
+    return int(args.kv_cache_gb * (1 << 30))
+
+
+def agree_min(value: int, info: RankInfo) -> int:
+    """Every rank must size the cache identically: take the minimum (a start-up decision)."""
+    if info.world_size == 1:
+        return value
+    t = torch.tensor([value], dtype=torch.int64)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN)
+    return int(t.item())
+
+
+def make_kv(args: ServerArgs, cfg: ModelConfig, model: Any, info: RankInfo,
+            dtype: torch.dtype, context_length: int) -> KVCache:
+    kv_heads = model.layers[0].self_attn.kv_heads
+    pages = KVCacheConfig.pages_for_budget(kv_budget_bytes(args, info), args.page_size,
+                                           cfg.num_layers, kv_heads, cfg.head_dim, dtype)
+    if args.max_total_tokens:
+        pages = min(pages, -(-args.max_total_tokens // args.page_size) + 1)
+    pages = agree_min(pages, info)
+    if (pages - 1) * args.page_size < min(context_length, 2 * args.page_size):
+        raise SystemExit(f"error: KV budget gives only {pages - 1} pages; raise --kv-cache-gb "
+                         "or --mem-fraction-static")
+    kv_cfg = KVCacheConfig(pages, args.page_size, cfg.num_layers, kv_heads, cfg.head_dim, dtype)
+    log.info("KV cache: %d pages x %d tokens (%.1f MB per rank)", pages, args.page_size,
+             pages * args.page_size * kv_cfg.bytes_per_token / 1e6)
+    return KVCache(kv_cfg, info.device)
+
+
+def setup_rank(args: ServerArgs) -> RankSetup:
+    info = rank_info(args.device)
+    if info.device.type == "cpu":
+        torch.set_num_threads(cpu_threads_per_rank(info.local_world_size, args.cpu_threads))
+    init_process_group(info, args.dist_timeout_s)
+    try:
+        comm = create_comm(args.allreduce, info)
+    except (BackendUnavailable, ValueError) as exc:
+        raise SystemExit(f"error: {exc}") from None
+    with phase("resolving model"):
+        model_dir = Path(args.model) if args.model else _demo_dir(info)
+        cfg = load_config(model_dir)
+    context_length = min(args.context_length or cfg.max_position, cfg.max_position)
+    dtype = resolve_dtype(args.dtype, cfg.torch_dtype, info.device)
+    tp = TPContext(info.rank, info.world_size, comm)
+    with phase(f"loading weights ({dtype})"):
+        # Rotary tables reach past the context so speculative tree positions stay in range.
+        model = build_model(model_dir, tp, dtype, info.device, context_length + 64, cfg)
+    with phase("allocating KV cache"):
+        kv = make_kv(args, cfg, model, info, dtype, context_length)
+    runner = ModelRunner(model, kv, info.device, comm)
+    return RankSetup(info, cfg, model_dir, comm, runner, context_length, dtype)
+
+
+def _demo_dir(info: RankInfo) -> Path:
+    if info.rank == 0:
+        path = ensure_demo_model()
+    if info.world_size > 1:
+        dist.barrier()
+    return ensure_demo_model() if info.rank != 0 else path
+
+
+def eos_ids(model_dir: Path, cfg: ModelConfig) -> frozenset[int]:
+    ids = set(cfg.eos_token_ids)
+    gen = model_dir / "generation_config.json"
+    if gen.is_file():
+        value = json.loads(gen.read_text()).get("eos_token_id")
+        ids.update(value if isinstance(value, list) else [value] if value is not None else [])
+    return frozenset(ids)
+
+
+def load_tokenizer(path: Path) -> Tokenizer:
+    file = path / "tokenizer.json"
+    if not file.is_file():
+        raise SystemExit(f"error: no tokenizer.json in '{path}' (use --tokenizer)")
+    return Tokenizer.from_file(str(file))
+
+
+def run(args: ServerArgs) -> int:
+    setup = setup_rank(args)
+    channel = make_channel(None) if setup.info.world_size > 1 else None
+    if setup.info.rank != 0:
+        follow(setup.runner, channel)
+        return 0
+    from tpserve.server.app_main import serve_http
+
+    scheduler = Scheduler(
+        SchedulerConfig(args.page_size, args.max_running_requests, args.chunked_prefill_size,
+                        setup.context_length),
+        PageAllocator(setup.runner.kv.cfg.num_pages),
+    )
+    engine = Engine(setup.runner, scheduler, channel, setup.context_length)
+    thread = threading.Thread(target=engine.run, name="tpserve-engine", daemon=True)
+    thread.start()
+    tokenizer = load_tokenizer(Path(args.tokenizer) if args.tokenizer else setup.model_dir)
+    code = serve_http(args, setup, engine, tokenizer, eos_ids(setup.model_dir, setup.cfg))
+    engine.stopping.set()
+    thread.join(timeout=30)
+    return code if engine.error is None else 1

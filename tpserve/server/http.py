@@ -1,0 +1,203 @@
+"""FastAPI app: SGLang-compatible ``/generate`` plus health, info, abort and flush endpoints.
+
+Every client error becomes ``400 {"error": {"message": ...}}``; a handler never lets an
+exception escape into uvicorn, so one bad request cannot disturb another.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from typing import Any, TypeVar
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import BaseModel, ValidationError
+
+from tpserve.engine.request import RequestOutput
+from tpserve.server.engine_client import BadRequest, EngineClient, Overloaded
+from tpserve.server.protocol import AbortRequest, ErrorResponse, GenerateRequest, HealthResponse
+from tpserve.server.state import ServerState
+
+
+T = TypeVar("T", bound=BaseModel)
+
+
+def error(status: int, message: str, headers: dict[str, str] | None = None) -> JSONResponse:
+    kind = "invalid_request_error" if status < 500 else "server_error"
+    return JSONResponse({"error": {"message": message, "type": kind, "code": status}},
+                        status_code=status, headers=headers)
+
+
+def response_dict(out: RequestOutput, index: int | None, logprobs: bool) -> dict[str, Any]:
+    meta = dict(out.meta)
+    if logprobs:
+        meta["output_token_logprobs"] = [[lp, tok] for tok, lp, _ in out.logprobs]
+        meta["output_top_logprobs"] = [top for _, _, top in out.logprobs]
+    body: dict[str, Any] = {"text": out.text, "output_ids": out.output_ids, "meta_info": meta}
+    if index is not None:
+        body["index"] = index
+    return body
+
+
+def normalise(req: GenerateRequest, client: EngineClient) -> list[tuple[list[int], Any, str | None]]:
+    """One (ids, params, rid) per output sequence; raises BadRequest."""
+    if (req.text is None) == (req.input_ids is None):
+        raise BadRequest("give exactly one of 'text' or 'input_ids'")
+    if req.text is not None:
+        texts = req.text if isinstance(req.text, list) else [req.text]
+        if any(t == "" for t in texts) or not texts:
+            raise BadRequest("prompt is empty")
+        prompts = [client.tokenize(t) for t in texts]
+    else:
+        ids = req.input_ids or []
+        prompts = ids if ids and isinstance(ids[0], list) else [ids]  # type: ignore[list-item]
+    raw = req.sampling_params
+    raws = raw if isinstance(raw, list) else [raw] * len(prompts)
+    if len(raws) != len(prompts):
+        raise BadRequest("sampling_params list must match the number of prompts")
+    rids = req.rid if isinstance(req.rid, list) else [req.rid] * len(prompts)
+    items = []
+    for ids, params_raw, rid in zip(prompts, raws, rids):
+        client.check_prompt(ids)
+        params = client.parse_params(params_raw)
+        if req.return_logprob:
+            params = params.__class__(**{**params.__dict__, "logprobs": max(params.logprobs, req.top_logprobs_num)})
+        for k, p in enumerate(client.expand_n(params)):
+            items.append((ids, p, rid if k == 0 and len(prompts) == 1 else None))
+    return items
+
+
+async def _collect(client: EngineClient, item: tuple) -> RequestOutput:
+    last = None
+    async for out in client.generate(*item):
+        last = out
+    assert last is not None
+    return last
+
+
+async def _stream(client: EngineClient, items: list, batched: bool, logprobs: bool
+                  ) -> AsyncIterator[bytes]:
+    import asyncio
+
+    queue: asyncio.Queue[tuple[int, RequestOutput | None]] = asyncio.Queue()
+
+    async def pump(index: int, item: tuple) -> None:
+        try:
+            async for out in client.generate(*item):
+                await queue.put((index, out))
+        finally:
+            await queue.put((index, None))
+
+    tasks = [asyncio.create_task(pump(i, it)) for i, it in enumerate(items)]
+    remaining = len(tasks)
+    try:
+        while remaining:
+            index, out = await queue.get()
+            if out is None:
+                remaining -= 1
+                continue
+            body = response_dict(out, index if batched else None, logprobs)
+            yield f"data: {json.dumps(body)}\n\n".encode()
+        yield b"data: [DONE]\n\n"
+    finally:
+        for task in tasks:  # client went away: cancelling aborts the engine requests
+            task.cancel()
+
+
+def json_body(model: type[BaseModel]) -> dict[str, Any]:
+    """OpenAPI description of a JSON body that the handler parses itself."""
+    return {"requestBody": {"required": True, "content": {
+        "application/json": {"schema": model.model_json_schema(ref_template="#/components/schemas/{model}")}}}}
+
+
+async def parse_body(raw: Request, model: type[T]) -> T:
+    """Parse a JSON body whatever the Content-Type (``curl -d`` sends a form type)."""
+    data = await raw.body()
+    try:
+        payload = json.loads(data or b"null")
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise BadRequest(f"malformed JSON body: {exc}") from None
+    if not isinstance(payload, dict):
+        raise BadRequest("request body must be a JSON object")
+    try:
+        return model.model_validate(payload)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(p) for p in first.get("loc", ()))
+        raise BadRequest(f"invalid request{' at ' + where if where else ''}: {first['msg']}") from None
+
+
+def create_app(state: ServerState) -> FastAPI:
+    app = FastAPI(title="tpserve", version="0.1.0")
+    responses: dict[int | str, dict[str, Any]] = {400: {"model": ErrorResponse}}
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
+        first = exc.errors()[0] if exc.errors() else {}
+        where = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
+        return error(400, f"invalid request{' at ' + where if where else ''}: {first.get('msg', exc)}")
+
+    @app.get("/health", response_model=HealthResponse, responses={503: {"model": ErrorResponse}})
+    async def health() -> Any:
+        problem = state.unhealthy_reason()
+        return error(503, problem) if problem else {"status": "ok"}
+
+    @app.get("/health_generate", response_model=HealthResponse, responses={503: {"model": ErrorResponse}})
+    async def health_generate() -> Any:
+        problem = state.unhealthy_reason()
+        if problem:
+            return error(503, problem)
+        client = state.client
+        params = client.parse_params({"max_new_tokens": 1, "temperature": 0})
+        await _collect(client, (client.tokenize("ping") or [0], params, None))
+        return {"status": "ok"}
+
+    @app.post("/generate", responses=responses, openapi_extra=json_body(GenerateRequest))
+    async def generate(raw: Request) -> Any:
+        try:
+            body = await parse_body(raw, GenerateRequest)
+        except BadRequest as exc:
+            return error(400, str(exc))
+        problem = state.unhealthy_reason()
+        if problem:
+            return error(503, problem, {"Retry-After": "1"})
+        client = state.client
+        try:
+            items = normalise(body, client)
+            batched = len(items) > 1 or isinstance(body.text, list) or (
+                bool(body.input_ids) and isinstance(body.input_ids[0], list))
+            if body.stream:
+                return StreamingResponse(_stream(client, items, batched, body.return_logprob),
+                                         media_type="text/event-stream")
+            import asyncio
+
+            outs = await asyncio.gather(*(_collect(client, it) for it in items))
+        except BadRequest as exc:
+            return error(400, str(exc))
+        except Overloaded as exc:
+            return error(503, str(exc), {"Retry-After": "1"})
+        bodies = [response_dict(o, None, body.return_logprob) for o in outs]
+        return bodies if batched else bodies[0]
+
+    @app.get("/get_model_info")
+    async def model_info() -> dict[str, Any]:
+        return state.model_info()
+
+    @app.get("/get_server_info")
+    async def server_info() -> dict[str, Any]:
+        return await state.server_info()
+
+    @app.post("/abort_request")
+    async def abort_request(body: AbortRequest) -> dict[str, Any]:
+        found = await state.client.call(lambda eng: eng.scheduler.abort(body.rid))
+        return {"success": bool(found)}
+
+    @app.post("/flush_cache")
+    async def flush_cache() -> dict[str, Any]:
+        # There is no prefix cache to drop; succeed only when idle, as SGLang does.
+        idle = await state.client.call(lambda eng: not eng.scheduler.has_work())
+        return {"success": bool(idle), "message": "" if idle else "requests are running"}
+
+    return app

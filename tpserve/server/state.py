@@ -1,0 +1,58 @@
+"""What the HTTP layer knows about the running server: readiness, info, the engine client."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+from tpserve.args import ServerArgs
+from tpserve.server.engine_client import EngineClient
+
+
+@dataclass
+class ServerState:
+    args: ServerArgs
+    client: EngineClient
+    model_path: str
+    model_info_extra: dict[str, Any] = field(default_factory=dict)
+    static_info: dict[str, Any] = field(default_factory=dict)
+    ready: bool = False
+    shutting_down: bool = False
+
+    def unhealthy_reason(self) -> str | None:
+        engine = self.client.engine
+        if engine.error is not None:
+            return f"engine failed: {engine.error}"
+        if self.shutting_down or engine.stopping.is_set():
+            return "server is shutting down"
+        if not self.ready:
+            return "server is starting"
+        return None
+
+    def model_info(self) -> dict[str, Any]:
+        return {"model_path": self.model_path, "tokenizer_path": self.args.tokenizer or self.model_path,
+                "is_generation": True, **self.model_info_extra}
+
+    async def server_info(self) -> dict[str, Any]:
+        live = await self.client.call(_engine_snapshot)
+        args = dataclasses.asdict(self.args)
+        args.pop("api_key", None)
+        return {**args, **self.static_info, **live}
+
+
+def _engine_snapshot(engine: Any) -> dict[str, Any]:
+    sched = engine.scheduler
+    comm = engine.runner.comm
+    stats = engine.stats
+    return {
+        "allreduce_active": comm.active_name if comm else None,
+        "allreduce_stats": comm.stats() if comm else {},
+        "kv_pages_total": sched.allocator.num_usable,
+        "kv_pages_free": sched.allocator.num_free,
+        "num_running_reqs": len(sched.running),
+        "num_waiting_reqs": len(sched.waiting),
+        "preemptions": sched.preemptions,
+        "engine": dataclasses.asdict(stats),
+        "control_message_us_avg": 1e6 * stats.control_seconds / max(1, stats.steps),
+    }
