@@ -1,0 +1,112 @@
+"""Test helpers: spawn a gloo process group, and drive the engine synchronously."""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import socket
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from tokenizers import Tokenizer
+
+from tpserve.demo import byte_tokenizer_json
+from tpserve.engine.detokenizer import IncrementalDetokenizer, StopChecker
+from tpserve.engine.engine import Engine
+from tpserve.engine.kv_cache import KVCache, KVCacheConfig, PageAllocator
+from tpserve.engine.request import Request
+from tpserve.engine.runner import ModelRunner
+from tpserve.engine.sampler import make_generator
+from tpserve.engine.sampling_params import SamplingParams
+from tpserve.engine.scheduler import Scheduler, SchedulerConfig
+from tpserve.layers.tp import TPContext
+from tpserve.models.registry import build_model
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(rank: int, world: int, port: int, fn: Callable, args: tuple, out: Any) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=world)
+        result = fn(rank, world, *args)
+        # Plain pickle bytes: torch tensors sent through an mp queue live in shared memory
+        # that vanishes when this process exits.
+        out.put((rank, "ok", pickle.dumps(result)))
+    except BaseException:
+        out.put((rank, "error", traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def spawn(world: int, fn: Callable, *args: Any, timeout: float = 240) -> list[Any]:
+    """Run ``fn(rank, world, *args)`` on ``world`` processes; return results by rank."""
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_entry, args=(r, world, port, fn, args, out)) for r in range(world)]
+    for p in procs:
+        p.start()
+    results: dict[int, Any] = {}
+    try:
+        for _ in range(world):
+            rank, status, value = out.get(timeout=timeout)
+            if status != "ok":
+                raise AssertionError(f"rank {rank} failed:\n{value}")
+            results[rank] = pickle.loads(value)
+    finally:
+        for p in procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+    return [results[r] for r in range(world)]
+
+
+def byte_tokenizer() -> Tokenizer:
+    return Tokenizer.from_str(json.dumps(byte_tokenizer_json()))
+
+
+def make_request(rid: str, ids: list[int], params: SamplingParams, eos: frozenset[int] = frozenset(),
+                 seed: int = 0) -> Request:
+    tok = byte_tokenizer()
+    return Request(rid=rid, prompt_ids=list(ids), params=params,
+                   generator=make_generator(params.seed, seed),
+                   detok=IncrementalDetokenizer(tok, params.skip_special_tokens, ids),
+                   stop=StopChecker(params.stop), emit=lambda out: None, eos_ids=eos)
+
+
+def build_engine(model_dir: Path, tp: TPContext, channel: Any = None, pages: int = 64,
+                 page_size: int = 4, max_running: int = 16, chunk: int = 64,
+                 dtype: torch.dtype = torch.float32, context_length: int = 200) -> Engine:
+    model = build_model(model_dir, tp, dtype, torch.device("cpu"), context_length + 64)
+    cfg = model.cfg
+    kv = KVCache(KVCacheConfig(pages, page_size, cfg.num_layers, model.layers[0].self_attn.kv_heads,
+                               cfg.head_dim, dtype), torch.device("cpu"))
+    runner = ModelRunner(model, kv, torch.device("cpu"), getattr(tp.comm, "switch", None))
+    sched = Scheduler(SchedulerConfig(page_size, max_running, chunk, context_length),
+                      PageAllocator(pages))
+    return Engine(runner, sched, channel, context_length)
+
+
+def run_all(engine: Engine, reqs: list[Request]) -> list[list[int]]:
+    """Drive the engine synchronously until every request finishes."""
+    for req in reqs:
+        engine.scheduler.add(req)
+    while engine.scheduler.has_work():
+        batch = engine.scheduler.next_batch()
+        assert batch is not None, "scheduler stalled with work left"
+        engine.step(batch)
+    return [r.output_ids for r in reqs]

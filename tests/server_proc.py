@@ -1,0 +1,59 @@
+"""Launch a real tpserve server under torchrun for tests, on a free loopback port."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import httpx
+
+from tests.harness import free_port
+
+
+@contextmanager
+def running_server(ranks: int, *flags: str, cache: Path, env: dict[str, str] | None = None,
+                   timeout: float = 180) -> Iterator[tuple[str, subprocess.Popen]]:
+    port = free_port()
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks),
+           "--master-port", str(free_port()), "-m", "tpserve", "--port", str(port), *flags]
+    full_env = {**os.environ, "TPSERVE_CACHE": str(cache), "PYTHONUNBUFFERED": "1", **(env or {})}
+    log = open(cache / f"server-{port}.log", "w")
+    proc = subprocess.Popen(cmd, env=full_env, stdout=log, stderr=subprocess.STDOUT,
+                            start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_healthy(url, proc, timeout, cache / f"server-{port}.log")
+        yield url, proc
+    finally:
+        stop(proc)
+        log.close()
+
+
+def wait_healthy(url: str, proc: subprocess.Popen, timeout: float, log: Path) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited early:\n{log.read_text()[-3000:]}")
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.3)
+    raise TimeoutError(f"server not healthy in {timeout}s:\n{log.read_text()[-3000:]}")
+
+
+def stop(proc: subprocess.Popen, timeout: float = 30) -> int:
+    if proc.poll() is None:
+        os.killpg(proc.pid, 15)
+        try:
+            proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, 9)
+            proc.wait()
+    return proc.returncode
