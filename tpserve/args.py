@@ -30,6 +30,13 @@ class ServerArgs:
     log_level: str = "info"
     dist_timeout_s: float = 600.0
     api_key: str | None = None
+    max_request_bytes: int = 8 << 20  # larger HTTP bodies get 413
+    shutdown_timeout_s: float = 10.0  # grace for in-flight requests on SIGTERM/SIGINT
+    speculative_algorithm: str | None = None  # None | "EAGLE3"
+    speculative_draft_model_path: str | None = None
+    speculative_num_steps: int = 3
+    speculative_eagle_topk: int = 1
+    speculative_num_draft_tokens: int = 4
     extra: dict[str, object] = field(default_factory=dict)
 
 
@@ -42,7 +49,8 @@ FLAG_HELP = {
     "device": "auto | cpu | cuda", "dtype": "auto | bfloat16 | float16 | float32",
     "context_length": "max prompt + output tokens (default: the model's)",
     "max_running_requests": "requests decoded together",
-    "max_queued_requests": "waiting requests beyond which new ones get 503",
+    "max_queued_requests": "requests allowed to wait beyond --max-running-requests; "
+                           "more get 503 with Retry-After",
     "chunked_prefill_size": "max prompt tokens per prefill step",
     "page_size": "tokens per KV page",
     "mem_fraction_static": "GPU: fraction of memory for weights + KV cache",
@@ -53,6 +61,13 @@ FLAG_HELP = {
     "seed": "server seed for requests without one",
     "log_level": "debug | info | warning", "dist_timeout_s": "collective timeout (s)",
     "api_key": "require 'Authorization: Bearer KEY' (also env TPSERVE_API_KEY)",
+    "max_request_bytes": "largest HTTP request body accepted (larger: 413)",
+    "shutdown_timeout_s": "on SIGTERM/SIGINT, seconds in-flight requests get to finish",
+    "speculative_algorithm": "speculative decoding algorithm: EAGLE3 (default: off)",
+    "speculative_draft_model_path": "EAGLE-3 draft checkpoint directory",
+    "speculative_num_steps": "draft depth (draft forwards per step)",
+    "speculative_eagle_topk": "branching factor per draft step (1 = chain)",
+    "speculative_num_draft_tokens": "tree nodes verified per step, root included",
 }
 
 

@@ -22,7 +22,14 @@ from comm_backends import BackendUnavailable
 from tpserve.args import ServerArgs
 from tpserve.control import make_channel
 from tpserve.demo import ensure_demo_model
-from tpserve.dist import CommSwitch, RankInfo, cpu_threads_per_rank, create_comm, init_process_group, rank_info
+from tpserve.dist import (
+    CommSwitch,
+    RankInfo,
+    cpu_threads_per_rank,
+    create_comm,
+    init_process_group,
+    rank_info,
+)
 from tpserve.engine.engine import Engine, follow
 from tpserve.engine.kv_cache import KVCache, KVCacheConfig, PageAllocator
 from tpserve.engine.runner import ModelRunner
@@ -31,6 +38,8 @@ from tpserve.layers.tp import TPContext
 from tpserve.loader import resolve_dtype
 from tpserve.models.config import ModelConfig, load_config
 from tpserve.models.registry import build_model
+from tpserve.spec.config import spec_config_from_args
+from tpserve.spec.setup import build_spec
 
 log = logging.getLogger("tpserve")
 
@@ -136,19 +145,25 @@ def load_tokenizer(path: Path) -> Tokenizer:
 
 
 def run(args: ServerArgs) -> int:
+    spec_cfg = spec_config_from_args(args)  # bad speculative flags fail before loading
     setup = setup_rank(args)
+    spec = None
+    if spec_cfg is not None:
+        spec = build_spec(spec_cfg, str(args.speculative_draft_model_path), setup.runner,
+                          TPContext(setup.info.rank, setup.info.world_size, setup.comm),
+                          setup.dtype, setup.context_length + 64)
     channel = make_channel(None) if setup.info.world_size > 1 else None
     if setup.info.rank != 0:
-        follow(setup.runner, channel)
+        follow(setup.runner, channel, spec)
         return 0
     from tpserve.server.app_main import serve_http
 
     scheduler = Scheduler(
         SchedulerConfig(args.page_size, args.max_running_requests, args.chunked_prefill_size,
-                        setup.context_length),
+                        setup.context_length, spec_cfg.lookahead if spec_cfg else 0),
         PageAllocator(setup.runner.kv.cfg.num_pages),
     )
-    engine = Engine(setup.runner, scheduler, channel, setup.context_length)
+    engine = Engine(setup.runner, scheduler, channel, setup.context_length, spec)
     thread = threading.Thread(target=engine.run, name="tpserve-engine", daemon=True)
     thread.start()
     tokenizer = load_tokenizer(Path(args.tokenizer) if args.tokenizer else setup.model_dir)

@@ -25,6 +25,8 @@ from tpserve.engine.request import Request
 from tpserve.engine.runner import ModelRunner
 from tpserve.engine.sampler import apply_min_tokens, apply_penalties, sample
 from tpserve.engine.scheduler import ScheduledBatch, Scheduler
+from tpserve.spec.leader import bookkeeping, spec_decode_step
+from tpserve.spec.worker import SpecDecoder
 
 log = logging.getLogger(__name__)
 
@@ -54,8 +56,9 @@ class EngineStats:
 
 class Engine:
     def __init__(self, runner: ModelRunner, scheduler: Scheduler, channel: Channel | None,
-                 context_length: int) -> None:
+                 context_length: int, spec: SpecDecoder | None = None) -> None:
         self.runner = runner
+        self.spec = spec  # speculative decoding (EAGLE-3) when enabled
         self.scheduler = scheduler
         self.channel = channel
         self.context_length = context_length
@@ -112,10 +115,15 @@ class Engine:
             cmd.done(result)
 
     def step(self, batch: ScheduledBatch) -> None:
+        if self.spec is not None and batch.kind == "decode":
+            spec_decode_step(self, batch)
+            return
         start = time.perf_counter()
         plan = self.scheduler.plan(batch)
+        if self.spec is not None:
+            plan.extra.update(bookkeeping(self.spec, self.scheduler, batch.requests))
         self.broadcast(plan)
-        out = self.runner.forward(plan)
+        out = self.spec.prefill(plan) if self.spec is not None else self.runner.forward(plan)
         sampling = [r for r, s in zip(batch.requests, batch.samples()) if s]
         tokens, logprobs = self.sample(sampling, out.logits) if sampling else ([], [])
         for req, q in zip(batch.requests, batch.q_lens):
@@ -147,11 +155,16 @@ class Engine:
             self.stats.decode_tokens += len(batch.requests)
 
 
-def follow(runner: ModelRunner, channel: Channel) -> None:
+def follow(runner: ModelRunner, channel: Channel, spec: SpecDecoder | None = None) -> None:
     """Non-zero ranks: execute plans until told to stop."""
     while True:
         plan: StepPlan = channel.recv()
         if plan.kind == "shutdown":
             return
         if plan.kind == "forward":
-            runner.forward(plan)
+            if spec is not None:
+                spec.prefill(plan)
+            else:
+                runner.forward(plan)
+        elif plan.kind == "spec" and spec is not None:
+            spec.follow_step(plan, channel)

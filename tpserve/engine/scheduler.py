@@ -26,6 +26,7 @@ class SchedulerConfig:
     max_running_requests: int
     chunked_prefill_size: int
     context_length: int
+    decode_lookahead: int = 0  # extra KV slots a decode step writes (speculative tree nodes)
 
 
 @dataclass
@@ -129,12 +130,14 @@ class Scheduler:
         return ScheduledBatch("prefill", reqs, lens) if reqs else None
 
     def _cannot_ever_fit(self, req: Request) -> bool:
-        return self.pages_needed(req, req.seq_len + 1) > self.allocator.num_usable
+        need = req.seq_len + 1 + self.cfg.decode_lookahead
+        return self.pages_needed(req, need) > self.allocator.num_usable
 
     def _decode_batch(self) -> ScheduledBatch | None:
         batch: list[Request] = []
         for req in [r for r in self.running if r.pending == 1]:
-            while req in self.running and not self.reserve(req, req.seq_len):
+            need = req.seq_len + self.cfg.decode_lookahead
+            while req in self.running and not self.reserve(req, need):
                 self._preempt_latest()
             if req in self.running:
                 batch.append(req)

@@ -1,0 +1,73 @@
+"""Speculative-decoding settings, checked once at start-up with messages naming the flag."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tpserve.args import ServerArgs
+from tpserve.models.config import ModelConfig
+from tpserve.models.eagle3 import Eagle3Config
+
+
+@dataclass(frozen=True)
+class SpecConfig:
+    num_steps: int  # draft depth
+    topk: int  # branching per draft step
+    num_draft_tokens: int  # tree nodes verified per step, root included
+
+    @property
+    def num_candidates(self) -> int:
+        """Nodes the drafting loop proposes: topk at depth 1, topk^2 per later step."""
+        return self.topk + (self.num_steps - 1) * self.topk * self.topk
+
+    @property
+    def lookahead(self) -> int:
+        """KV slots past the root a step writes (verify nodes or temporary draft nodes)."""
+        return max(self.num_draft_tokens, (self.num_steps - 1) * self.topk)
+
+
+def spec_config_from_args(args: ServerArgs) -> SpecConfig | None:
+    algo = args.speculative_algorithm
+    if algo is None or str(algo).lower() in ("", "none"):
+        return None
+    if str(algo).upper() not in ("EAGLE3", "EAGLE-3"):
+        raise SystemExit(f"error: --speculative-algorithm '{algo}' is not supported (use EAGLE3)")
+    if not args.speculative_draft_model_path:
+        raise SystemExit("error: --speculative-algorithm EAGLE3 needs "
+                         "--speculative-draft-model-path")
+    cfg = SpecConfig(args.speculative_num_steps, args.speculative_eagle_topk,
+                     args.speculative_num_draft_tokens)
+    check_tree_shape(cfg)
+    return cfg
+
+
+def check_tree_shape(cfg: SpecConfig) -> None:
+    steps, k, n = cfg.num_steps, cfg.topk, cfg.num_draft_tokens
+    if steps < 1 or k < 1 or n < 2:
+        raise SystemExit("error: --speculative-num-steps and --speculative-eagle-topk must be "
+                         ">= 1 and --speculative-num-draft-tokens >= 2")
+    if k == 1 and n != steps + 1:
+        raise SystemExit(f"error: with --speculative-eagle-topk 1 the draft is a chain: "
+                         f"--speculative-num-draft-tokens must be num_steps + 1 = {steps + 1}, "
+                         f"got {n}")
+    full_tree = 1 + sum(k**i for i in range(1, steps + 1))
+    if n > full_tree:
+        raise SystemExit(f"error: --speculative-num-draft-tokens {n} exceeds the {full_tree} "
+                         f"nodes of a depth-{steps}, topk-{k} tree")
+    if n - 1 > cfg.num_candidates:
+        raise SystemExit(f"error: --speculative-num-draft-tokens {n} needs more than the "
+                         f"{cfg.num_candidates} candidates that {steps} steps of topk {k} "
+                         "propose; raise --speculative-num-steps or --speculative-eagle-topk")
+
+
+def check_draft_matches(draft: Eagle3Config, target: ModelConfig) -> None:
+    if draft.target_hidden_size != target.hidden_size:
+        raise SystemExit(f"error: the draft expects target hidden size "
+                         f"{draft.target_hidden_size}, but the target has {target.hidden_size}")
+    if draft.base.vocab_size != target.vocab_size:
+        raise SystemExit(f"error: the draft's vocab_size {draft.base.vocab_size} differs from "
+                         f"the target's {target.vocab_size}")
+    if draft.base.hidden_size != target.hidden_size:
+        # Embeddings are shared with the target, so the draft width must equal the target's.
+        raise SystemExit(f"error: draft hidden size {draft.base.hidden_size} differs from the "
+                         f"target's {target.hidden_size} (embeddings are shared)")
