@@ -16,7 +16,6 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from tokenizers import Tokenizer
 
-from tpserve.demo import byte_tokenizer_json
 from tpserve.engine.detokenizer import IncrementalDetokenizer, StopChecker
 from tpserve.engine.engine import Engine
 from tpserve.engine.kv_cache import KVCache, KVCacheConfig, PageAllocator
@@ -73,6 +72,42 @@ def spawn(world: int, fn: Callable, *args: Any, timeout: float = 240) -> list[An
             if p.is_alive():
                 p.kill()
     return [results[r] for r in range(world)]
+
+
+SPECIALS = ("<s>", "</s>", "<pad>")
+
+
+def byte_tokenizer_json() -> dict:
+    """A byte-level BPE with no merges: every byte is a token, specials follow at 256+."""
+    from tokenizers import pre_tokenizers
+
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet(), key=lambda c: _byte_of(c))
+    vocab = {ch: i for i, ch in enumerate(alphabet)}
+    added = [{"id": 256 + i, "content": s, "single_word": False, "lstrip": False,
+              "rstrip": False, "normalized": False, "special": True} for i, s in enumerate(SPECIALS)]
+    return {
+        "version": "1.0", "truncation": None, "padding": None, "added_tokens": added,
+        "normalizer": None,
+        "pre_tokenizer": {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True,
+                          "use_regex": True},
+        "post_processor": None,
+        "decoder": {"type": "ByteLevel", "add_prefix_space": True, "trim_offsets": True,
+                    "use_regex": True},
+        "model": {"type": "BPE", "dropout": None, "unk_token": None, "continuing_subword_prefix": None,
+                  "end_of_word_suffix": None, "fuse_unk": False, "byte_fallback": False,
+                  "ignore_merges": False, "vocab": vocab, "merges": []},
+    }
+
+
+def _byte_of(ch: str) -> int:
+    """Inverse of GPT-2's bytes_to_unicode for one character."""
+    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(
+        range(ord("®"), ord("ÿ") + 1))
+    code = ord(ch)
+    if code in printable:
+        return code
+    others = [b for b in range(256) if b not in printable]
+    return others[code - 256]
 
 
 def byte_tokenizer() -> Tokenizer:

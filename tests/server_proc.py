@@ -17,10 +17,12 @@ from tests.harness import free_port
 
 @contextmanager
 def running_server(ranks: int, *flags: str, cache: Path, env: dict[str, str] | None = None,
-                   timeout: float = 180) -> Iterator[tuple[str, subprocess.Popen]]:
+                   timeout: float = 180, launcher_flags: tuple[str, ...] = ()
+                   ) -> Iterator[tuple[str, subprocess.Popen]]:
     port = free_port()
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks),
-           "--master-port", str(free_port()), "-m", "tpserve", "--port", str(port), *flags]
+           "--master-port", str(free_port()), *launcher_flags, "-m", "tpserve",
+           "--port", str(port), *flags]
     full_env = {**os.environ, "TPSERVE_CACHE": str(cache), "PYTHONUNBUFFERED": "1", **(env or {})}
     log = open(cache / f"server-{port}.log", "w")
     proc = subprocess.Popen(cmd, env=full_env, stdout=log, stderr=subprocess.STDOUT,

@@ -8,8 +8,10 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
+from tokenizers import Tokenizer
 
 from tests.server_proc import running_server
+from tpserve.demo import demo_target
 
 FLAGS = ("--dtype", "float32", "--allreduce", "gloo", "--context-length", "256",
          "--kv-cache-gb", "0.05", "--max-running-requests", "8")
@@ -19,6 +21,10 @@ FLAGS = ("--dtype", "float32", "--allreduce", "gloo", "--context-length", "256",
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     with running_server(2, *FLAGS, cache=tmp_path_factory.mktemp("cache")) as (url, _):
         yield url
+
+
+def demo_tokenizer() -> Tokenizer:
+    return Tokenizer.from_file(str(demo_target() / "tokenizer.json"))
 
 
 def generate(url: str, **body: object) -> httpx.Response:
@@ -35,10 +41,11 @@ def test_single_request(server: str) -> None:
     body = r.json()
     meta = body["meta_info"]
     assert len(body["output_ids"]) == 12 and meta["completion_tokens"] == 12
-    assert meta["prompt_tokens"] == len("def fib(n):")  # the demo tokenizer is byte-level
+    prompt_ids = demo_tokenizer().encode("def fib(n):", add_special_tokens=False).ids
+    assert meta["prompt_tokens"] == len(prompt_ids)  # the server tokenizes with the shipped tokenizer
     assert meta["finish_reason"] == {"type": "length", "length": 12}
     assert meta["e2e_latency"] > 0 and isinstance(body["text"], str)
-    again = generate(server, input_ids=list(b"def fib(n):"), sampling_params=greedy(12)).json()
+    again = generate(server, input_ids=prompt_ids, sampling_params=greedy(12)).json()
     assert again["output_ids"] == body["output_ids"], "text and input_ids prompts must agree"
 
 
@@ -136,7 +143,7 @@ BAD = [
     ("top_p above one", {"text": "a", "sampling_params": {"top_p": 1.5}}, "top_p"),
     ("top_k zero", {"text": "a", "sampling_params": {"top_k": 0}}, "top_k"),
     ("top_k below -1", {"text": "a", "sampling_params": {"top_k": -2}}, "top_k"),
-    ("prompt too long", {"text": "a" * 300}, "context length"),
+    ("prompt too long", {"input_ids": [5] * 300}, "context length"),
     ("unknown sampling field", {"text": "a", "sampling_params": {"temprature": 1}}, "temprature"),
     ("token id outside vocab", {"input_ids": [1, 99999]}, "99999"),
     ("negative token id", {"input_ids": [-1]}, "-1"),

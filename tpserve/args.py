@@ -37,6 +37,11 @@ class ServerArgs:
     speculative_num_steps: int = 3
     speculative_eagle_topk: int = 1
     speculative_num_draft_tokens: int = 4
+    disable_cuda_graph: bool = False
+    cuda_graph_max_bs: int = 32  # also the largest --compile bucket on CPU
+    cuda_graph_bs: tuple[int, ...] | None = None  # explicit buckets (default: SGLang-like)
+    compile: bool = False  # CPU: torch.compile'd decode phases
+    compile_mode: str = "default"
     extra: dict[str, object] = field(default_factory=dict)
 
 
@@ -68,6 +73,11 @@ FLAG_HELP = {
     "speculative_num_steps": "draft depth (draft forwards per step)",
     "speculative_eagle_topk": "branching factor per draft step (1 = chain)",
     "speculative_num_draft_tokens": "tree nodes verified per step, root included",
+    "disable_cuda_graph": "GPU: run decode, draft and verify eagerly (no CUDA graphs)",
+    "cuda_graph_max_bs": "largest batch captured as a CUDA graph (GPU) or compiled (--compile)",
+    "cuda_graph_bs": "explicit batch-size buckets, e.g. 1 2 4 8 (default: 1,2,4,8,12,16,24,...)",
+    "compile": "CPU: torch.compile the decode / draft / verify forwards (bucketed like graphs)",
+    "compile_mode": "torch.compile mode: default | max-autotune-no-cudagraphs",
 }
 
 
@@ -78,12 +88,21 @@ def build_parser() -> argparse.ArgumentParser:
             continue
         flag = "--" + f.name.replace("_", "-")
         names = [flag, "--model-path"] if f.name == "model" else [flag]
+        help_text = FLAG_HELP.get(f.name, "")
+        if str(f.type) == "bool":
+            parser.add_argument(*names, dest=f.name, action="store_true", help=help_text)
+            continue
+        if str(f.type).startswith("tuple[int"):
+            parser.add_argument(*names, dest=f.name, type=int, nargs="+", default=f.default,
+                                help=help_text)
+            continue
         kind = {"int": int, "float": float}.get(str(f.type).split(" ")[0], str)
-        parser.add_argument(*names, dest=f.name, type=kind, default=f.default,
-                            help=FLAG_HELP.get(f.name, ""))
+        parser.add_argument(*names, dest=f.name, type=kind, default=f.default, help=help_text)
     return parser
 
 
 def parse_args(argv: list[str] | None = None) -> ServerArgs:
-    ns = build_parser().parse_args(argv)
-    return ServerArgs(**vars(ns))
+    ns = vars(build_parser().parse_args(argv))
+    if ns.get("cuda_graph_bs") is not None:
+        ns["cuda_graph_bs"] = tuple(sorted(set(ns["cuda_graph_bs"])))
+    return ServerArgs(**ns)

@@ -14,6 +14,7 @@ from tokenizers import Tokenizer, models
 
 from tpserve.args import ServerArgs
 from tpserve.control import make_channel
+from tpserve.demo import with_demo_defaults
 from tpserve.engine.detokenizer import IncrementalDetokenizer, StopChecker
 from tpserve.engine.engine import Engine, follow
 from tpserve.engine.kv_cache import PageAllocator
@@ -22,6 +23,7 @@ from tpserve.engine.request import Request, RequestOutput
 from tpserve.engine.sampler import make_generator
 from tpserve.engine.sampling_params import SamplingParams
 from tpserve.engine.scheduler import Scheduler, SchedulerConfig
+from tpserve.engine.static_setup import install_static
 from tpserve.layers.tp import TPContext
 from tpserve.serve import eos_ids, setup_rank
 from tpserve.spec.config import spec_config_from_args
@@ -36,6 +38,7 @@ def word_tokenizer(vocab_size: int) -> Tokenizer:
 
 class OfflineEngine:
     def __init__(self, args: ServerArgs, tokenizer: Tokenizer | None = None) -> None:
+        args = with_demo_defaults(args)
         spec_cfg = spec_config_from_args(args)
         self.setup = setup = setup_rank(args)
         self.spec = None
@@ -43,6 +46,8 @@ class OfflineEngine:
             tp = TPContext(setup.info.rank, setup.info.world_size, setup.comm)
             self.spec = build_spec(spec_cfg, str(args.speculative_draft_model_path),
                                    setup.runner, tp, setup.dtype, setup.context_length + 64)
+        install_static(args, setup.runner, self.spec, setup.info.world_size,
+                       setup.context_length)
         self.channel = make_channel(None) if setup.info.world_size > 1 else None
         self.args = args
         tok_file = Path(args.tokenizer or setup.model_dir) / "tokenizer.json"

@@ -21,7 +21,7 @@ from tokenizers import Tokenizer
 from comm_backends import BackendUnavailable
 from tpserve.args import ServerArgs
 from tpserve.control import make_channel
-from tpserve.demo import ensure_demo_model
+from tpserve.demo import demo_target, with_demo_defaults
 from tpserve.dist import (
     CommSwitch,
     RankInfo,
@@ -34,10 +34,12 @@ from tpserve.engine.engine import Engine, follow
 from tpserve.engine.kv_cache import KVCache, KVCacheConfig, PageAllocator
 from tpserve.engine.runner import ModelRunner
 from tpserve.engine.scheduler import Scheduler, SchedulerConfig
+from tpserve.engine.static_setup import ModelShape, graph_reserve_bytes, install_static
 from tpserve.layers.tp import TPContext
 from tpserve.loader import resolve_dtype
 from tpserve.models.config import ModelConfig, load_config
 from tpserve.models.registry import build_model
+from tpserve.server.lifecycle import finish_leader, run_follower
 from tpserve.spec.config import spec_config_from_args
 from tpserve.spec.setup import build_spec
 
@@ -82,8 +84,11 @@ def agree_min(value: int, info: RankInfo) -> int:
 def make_kv(args: ServerArgs, cfg: ModelConfig, model: Any, info: RankInfo,
             dtype: torch.dtype, context_length: int) -> KVCache:
     kv_heads = model.layers[0].self_attn.kv_heads
-    pages = KVCacheConfig.pages_for_budget(kv_budget_bytes(args, info), args.page_size,
-                                           cfg.num_layers, kv_heads, cfg.head_dim, dtype)
+    # CUDA graphs are captured after the KV cache exists: leave room for them first.
+    reserve = graph_reserve_bytes(args, ModelShape.of(model, dtype), context_length, info.device)
+    pages = KVCacheConfig.pages_for_budget(max(0, kv_budget_bytes(args, info) - reserve),
+                                           args.page_size, cfg.num_layers, kv_heads,
+                                           cfg.head_dim, dtype)
     if args.max_total_tokens:
         pages = min(pages, -(-args.max_total_tokens // args.page_size) + 1)
     pages = agree_min(pages, info)
@@ -106,7 +111,7 @@ def setup_rank(args: ServerArgs) -> RankSetup:
     except (BackendUnavailable, ValueError) as exc:
         raise SystemExit(f"error: {exc}") from None
     with phase("resolving model"):
-        model_dir = Path(args.model) if args.model else _demo_dir(info)
+        model_dir = Path(args.model) if args.model else demo_target()
         cfg = load_config(model_dir)
     context_length = min(args.context_length or cfg.max_position, cfg.max_position)
     dtype = resolve_dtype(args.dtype, cfg.torch_dtype, info.device)
@@ -118,14 +123,6 @@ def setup_rank(args: ServerArgs) -> RankSetup:
         kv = make_kv(args, cfg, model, info, dtype, context_length)
     runner = ModelRunner(model, kv, info.device, comm)
     return RankSetup(info, cfg, model_dir, comm, runner, context_length, dtype)
-
-
-def _demo_dir(info: RankInfo) -> Path:
-    if info.rank == 0:
-        path = ensure_demo_model()
-    if info.world_size > 1:
-        dist.barrier()
-    return ensure_demo_model() if info.rank != 0 else path
 
 
 def eos_ids(model_dir: Path, cfg: ModelConfig) -> frozenset[int]:
@@ -145,6 +142,7 @@ def load_tokenizer(path: Path) -> Tokenizer:
 
 
 def run(args: ServerArgs) -> int:
+    args = with_demo_defaults(args)
     spec_cfg = spec_config_from_args(args)  # bad speculative flags fail before loading
     setup = setup_rank(args)
     spec = None
@@ -152,10 +150,10 @@ def run(args: ServerArgs) -> int:
         spec = build_spec(spec_cfg, str(args.speculative_draft_model_path), setup.runner,
                           TPContext(setup.info.rank, setup.info.world_size, setup.comm),
                           setup.dtype, setup.context_length + 64)
+    install_static(args, setup.runner, spec, setup.info.world_size, setup.context_length)
     channel = make_channel(None) if setup.info.world_size > 1 else None
     if setup.info.rank != 0:
-        follow(setup.runner, channel, spec)
-        return 0
+        return run_follower(lambda: follow(setup.runner, channel, spec), channel, setup.comm)
     from tpserve.server.app_main import serve_http
 
     scheduler = Scheduler(
@@ -167,7 +165,5 @@ def run(args: ServerArgs) -> int:
     thread = threading.Thread(target=engine.run, name="tpserve-engine", daemon=True)
     thread.start()
     tokenizer = load_tokenizer(Path(args.tokenizer) if args.tokenizer else setup.model_dir)
-    code = serve_http(args, setup, engine, tokenizer, eos_ids(setup.model_dir, setup.cfg))
-    engine.stopping.set()
-    thread.join(timeout=30)
-    return code if engine.error is None else 1
+    code = serve_http(args, setup, engine, tokenizer, eos_ids(setup.model_dir, setup.cfg), thread)
+    return finish_leader(engine, thread, code, channel, setup.comm)

@@ -83,7 +83,11 @@ class Engine:
         finally:
             for req in list(self.scheduler.running) + list(self.scheduler.waiting):
                 self.scheduler.finish(req, "server shutting down")
-            self.broadcast(StepPlan(kind="shutdown"))
+            try:
+                self.broadcast(StepPlan(kind="shutdown"))
+            except Exception as exc:  # a follower is already gone: nobody left to tell
+                log.warning("could not broadcast shutdown: %s", exc)
+                self.error = self.error or exc
 
     def broadcast(self, plan: StepPlan) -> None:
         if self.channel is not None:

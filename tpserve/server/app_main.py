@@ -1,28 +1,69 @@
-"""Run uvicorn on rank 0 with the FastAPI app wired to the engine."""
+"""Run uvicorn on rank 0 with the FastAPI app wired to the engine.
+
+The app is the SGLang API (``http.create_app``) plus the OpenAI endpoints and ``/metrics``,
+behind the ASGI guard (API key, body cap, response counts). A watchdog turns a dead
+follower or engine into 503s and a non-zero exit instead of a hang.
+"""
 
 from __future__ import annotations
 
 import logging
+import os
+from pathlib import Path
 from typing import Any
 
 import uvicorn
+from fastapi import FastAPI, Response
+from prometheus_client import CONTENT_TYPE_LATEST
 from tokenizers import Tokenizer
 
 from tpserve.args import ServerArgs
+from tpserve.chat_template import ChatTemplate, load_chat_template
+from tpserve.demo import served_name
 from tpserve.engine.engine import Engine
 from tpserve.server.engine_client import ClientLimits, EngineClient
+from tpserve.server.guard import OPEN_PATHS, Guard, GuardConfig
 from tpserve.server.http import create_app
+from tpserve.server.lifecycle import TpServer, Watchdog, seconds_since_start
+from tpserve.server.metrics import ServerMetrics
+from tpserve.server.openai_api import OPENAI_BODIES, register_openai
+from tpserve.server.openapi_util import finish_schema
+from tpserve.server.protocol import ErrorResponse, GenerateRequest
 from tpserve.server.state import ServerState
 
 log = logging.getLogger("tpserve")
 
 
-def serve_http(args: ServerArgs, setup: Any, engine: Engine, tokenizer: Tokenizer,
-               eos: frozenset[int]) -> int:
+def api_key(args: ServerArgs) -> str | None:
+    return args.api_key or os.environ.get("TPSERVE_API_KEY") or None
+
+
+def build_app(state: ServerState, metrics: ServerMetrics, template: ChatTemplate,
+              model_name: str) -> FastAPI:
+    """Every route, the guard and the completed OpenAPI schema; no process-global state."""
+    app = create_app(state)
+    register_openai(app, state, template, model_name)
+
+    @app.get("/metrics", response_class=Response,
+             responses={200: {"content": {CONTENT_TYPE_LATEST: {"schema": {"type": "string"}}}}})
+    async def prometheus() -> Response:
+        return Response(await metrics.render(state.client), media_type=CONTENT_TYPE_LATEST)
+
+    key = api_key(state.args)
+    app.add_middleware(Guard, cfg=GuardConfig(key, state.args.max_request_bytes),
+                       on_response=metrics.on_response)
+    finish_schema(app, (GenerateRequest, *OPENAI_BODIES, ErrorResponse), key is not None,
+                  OPEN_PATHS)
+    return app
+
+
+def make_state(args: ServerArgs, setup: Any, engine: Engine, tokenizer: Tokenizer,
+               eos: frozenset[int]) -> ServerState:
     limits = ClientLimits(
         vocab_size=setup.cfg.vocab_size, context_length=setup.context_length,
         max_new_tokens_limit=args.max_new_tokens_limit,
         max_queued_requests=args.max_queued_requests, server_seed=args.seed,
+        max_running_requests=args.max_running_requests,
     )
     client = EngineClient(engine, tokenizer, eos, limits, {})
     state = ServerState(args=args, client=client, model_path=str(setup.model_dir))
@@ -31,15 +72,42 @@ def serve_http(args: ServerArgs, setup: Any, engine: Engine, tokenizer: Tokenize
         "dtype": str(setup.dtype).replace("torch.", ""), "context_length": setup.context_length,
         "allreduce_backends": list(setup.comm.backends),
         "kv_page_size": args.page_size,
+        "rank_pids": list(getattr(engine.channel, "peer_pids", None) or [os.getpid()]),
     }
     state.model_info_extra = {"architecture": setup.cfg.architecture,
                               "vocab_size": setup.cfg.vocab_size}
-    app = create_app(state)
+    return state
+
+
+def serve_http(args: ServerArgs, setup: Any, engine: Engine, tokenizer: Tokenizer,
+               eos: frozenset[int], engine_thread: Any = None) -> int:
+    """Serve until stopped; 0 after a graceful stop, 1 after a failure."""
+    state = make_state(args, setup, engine, tokenizer, eos)
+    metrics = ServerMetrics()
+    state.client.observer = metrics
+    template = load_chat_template(*([Path(args.tokenizer)] if args.tokenizer else []),
+                                  Path(setup.model_dir))
+    log.info("chat template: %s", "from tokenizer_config.json" if template.source else "fallback")
+    app = build_app(state, metrics, template, served_name(Path(setup.model_dir)))
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
-                            timeout_graceful_shutdown=5)
-    server = uvicorn.Server(config)
+                            timeout_graceful_shutdown=max(1, round(args.shutdown_timeout_s)))
+    server = TpServer(config, on_stop=state.mark_shutting_down)
+
+    def on_failure(reason: str) -> None:
+        state.failure = reason
+        server.should_exit = True  # uvicorn polls this flag; safe to set from another thread
+
+    watchdog = None
+    if engine_thread is not None:
+        watchdog = Watchdog(engine, engine_thread, state.static_info["rank_pids"], on_failure)
+        watchdog.start()
     state.ready = True
-    log.info("serving on http://%s:%d", args.host, args.port)
+    log.info("ready %.1fs after launch: serving on http://%s:%d", seconds_since_start(),
+             args.host, args.port)
     server.run()
-    state.shutting_down = True
-    return 0
+    if watchdog is not None:
+        watchdog.done.set()
+        # A follower that died during shutdown must still make this rank's exit non-zero.
+        state.failure = state.failure or watchdog.problem()
+    state.mark_shutting_down()
+    return 1 if state.failure or engine.error is not None else 0

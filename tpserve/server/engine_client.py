@@ -3,16 +3,21 @@
 HTTP handlers run on uvicorn's event loop; the engine runs in its own thread. Requests go
 in through the engine's inbox, and every output event is handed back to the loop with
 ``call_soon_threadsafe`` into a per-request asyncio queue.
+
+Admission is counted in output sequences (``n`` > 1 counts n) from acceptance until the last
+event: at most ``max_running_requests + max_queued_requests`` at once, so a burst gets 503s
+instead of growing the engine's queue without bound.
 """
 
 from __future__ import annotations
 
 import asyncio
 import itertools
+import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, Protocol
 
 from tokenizers import Tokenizer
 
@@ -20,7 +25,10 @@ from tpserve.engine.detokenizer import IncrementalDetokenizer, StopChecker
 from tpserve.engine.engine import Command, Engine
 from tpserve.engine.request import Request, RequestOutput
 from tpserve.engine.sampler import make_generator
-from tpserve.engine.sampling_params import SamplingParams
+from tpserve.engine.sampling_params import MAX_N, SamplingParams
+
+# 64-bit seeds, with room for the +i that n > 1 adds per choice (expand_n).
+SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1 - MAX_N
 
 
 class BadRequest(ValueError):
@@ -31,6 +39,10 @@ class Overloaded(RuntimeError):
     """Too many requests waiting: becomes HTTP 503 with Retry-After."""
 
 
+class EngineUnavailable(RuntimeError):
+    """The engine thread has stopped or is not answering: becomes HTTP 503."""
+
+
 @dataclass(frozen=True)
 class ClientLimits:
     vocab_size: int
@@ -38,6 +50,40 @@ class ClientLimits:
     max_new_tokens_limit: int
     max_queued_requests: int
     server_seed: int
+    max_running_requests: int = 0
+
+    @property
+    def capacity(self) -> int:
+        """Sequences admitted at once: the running batch plus the bounded queue."""
+        return self.max_running_requests + self.max_queued_requests
+
+
+class RequestObserver(Protocol):
+    """Receives per-request timings and outcomes (the metrics)."""
+
+    def on_tokens(self, started: float, previous: float | None, now: float, count: int) -> None: ...
+
+    def on_finish(self, outcome: str, prompt_tokens: int, output_tokens: int) -> None: ...
+
+    def on_rejected(self, count: int) -> None: ...
+
+
+class Admission:
+    """``count`` admitted sequences; released exactly once (by ``with`` or ``release``)."""
+
+    def __init__(self, client: EngineClient, count: int) -> None:
+        self.client, self.count, self._held = client, count, True
+
+    def release(self) -> None:
+        if self._held:
+            self._held = False
+            self.client.in_flight -= self.count
+
+    def __enter__(self) -> Admission:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
 
 
 class EngineClient:
@@ -49,10 +95,24 @@ class EngineClient:
         self.limits = limits
         self.info = info
         self._counter = itertools.count()
-        self.in_flight = 0
+        self.in_flight = 0  # admitted sequences not yet finished (only the event loop touches it)
+        self.observer: RequestObserver | None = None
 
-    def tokenize(self, text: str) -> list[int]:
-        return self.tokenizer.encode(text, add_special_tokens=True).ids
+    def admit(self, count: int) -> Admission:
+        """Reserve ``count`` sequences or raise Overloaded (503) / BadRequest (can never fit)."""
+        capacity = self.limits.capacity
+        if count > capacity:
+            raise BadRequest(f"request asks for {count} sequences; the server admits at most "
+                             f"{capacity} at once")
+        if self.in_flight + count > capacity:
+            if self.observer is not None:
+                self.observer.on_rejected(count)
+            raise Overloaded(f"server is at capacity ({capacity} sequences in flight); retry later")
+        self.in_flight += count
+        return Admission(self, count)
+
+    def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
 
     def check_prompt(self, ids: list[int]) -> None:
         if not ids:
@@ -68,9 +128,19 @@ class EngineClient:
     def parse_params(self, raw: dict[str, Any] | None) -> SamplingParams:
         try:
             params = SamplingParams.from_dict(raw or {})
+        except ValueError as exc:
+            raise BadRequest(str(exc)) from exc
+        return self.validated(params)
+
+    def validated(self, params: SamplingParams) -> SamplingParams:
+        """Range checks, including the seed: torch generators take 64-bit seeds only."""
+        try:
             params.validate(self.limits.vocab_size, self.limits.max_new_tokens_limit)
         except ValueError as exc:
             raise BadRequest(str(exc)) from exc
+        if params.seed is not None and not SEED_MIN <= params.seed <= SEED_MAX:
+            raise BadRequest(f"invalid sampling parameter 'seed': must be in [{SEED_MIN}, "
+                             f"{SEED_MAX}], got {params.seed}")
         return params
 
     def expand_n(self, params: SamplingParams) -> list[SamplingParams]:
@@ -82,9 +152,10 @@ class EngineClient:
 
     async def generate(self, ids: list[int], params: SamplingParams,
                        rid: str | None = None) -> AsyncIterator[RequestOutput]:
-        """Submit one request and yield its output events; aborts it if the caller goes away."""
-        if self.in_flight >= self.limits.max_queued_requests:
-            raise Overloaded("too many requests in flight")
+        """Submit one request and yield its output events; aborts it if the caller goes away.
+
+        The caller holds an ``Admission`` for it (see ``admit``).
+        """
         loop = asyncio.get_running_loop()
         events: asyncio.Queue[RequestOutput] = asyncio.Queue()
         rid = rid or uuid.uuid4().hex
@@ -93,30 +164,65 @@ class EngineClient:
             generator=make_generator(params.seed, self.limits.server_seed + next(self._counter)),
             detok=IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens, ids),
             stop=StopChecker(params.stop), eos_ids=self.eos_ids,
-            emit=lambda out: loop.call_soon_threadsafe(events.put_nowait, out),
+            emit=lambda out: _deliver(loop, events, out),
         )
-        self.in_flight += 1
-        finished = False
+        started, previous = time.perf_counter(), None
+        last: RequestOutput | None = None
         try:
             self.engine.submit(Command("add", req))
             while True:
-                out = await events.get()
-                finished = out.finished
-                yield out
-                if finished:
+                last = await events.get()
+                if last.new_ids and self.observer is not None:
+                    now = time.perf_counter()
+                    self.observer.on_tokens(started, previous, now, len(last.new_ids))
+                    previous = now
+                yield last
+                if last.finished:
                     return
         finally:
-            self.in_flight -= 1
+            finished = last is not None and last.finished
             if not finished:
                 self.abort(rid)
+            self._observe_end(last if finished else None, len(ids),
+                              len(last.output_ids) if last else 0)
+
+    def _observe_end(self, final: RequestOutput | None, prompt: int, output: int) -> None:
+        if self.observer is None:
+            return
+        kind = (final.finish_reason or {}).get("type", "abort") if final else "cancelled"
+        self.observer.on_finish(str(kind), prompt, output)
 
     def abort(self, rid: str) -> None:
         self.engine.submit(Command("abort", rid))
 
-    async def call(self, fn: Any) -> Any:
-        """Run ``fn(engine)`` on the engine thread between steps and return its result."""
+    async def call(self, fn: Any, timeout: float = 30.0) -> Any:
+        """Run ``fn(engine)`` on the engine thread between steps and return its result.
+
+        Raises EngineUnavailable when the engine has stopped or does not answer in time, so
+        an info or metrics endpoint cannot hang on a dead engine.
+        """
+        if self.engine.error is not None or self.engine.stopping.is_set():
+            raise EngineUnavailable("engine is not running")
         loop = asyncio.get_running_loop()
         fut: asyncio.Future[Any] = loop.create_future()
-        self.engine.submit(Command("call", fn, lambda r: loop.call_soon_threadsafe(
-            lambda: fut.done() or fut.set_result(r))))
-        return await fut
+
+        def done(result: Any) -> None:
+            try:
+                loop.call_soon_threadsafe(lambda: fut.done() or fut.set_result(result))
+            except RuntimeError:  # loop closed: the caller is gone
+                pass
+
+        self.engine.submit(Command("call", fn, done))
+        try:
+            return await asyncio.wait_for(fut, timeout)
+        except asyncio.TimeoutError:
+            raise EngineUnavailable(f"engine did not answer within {timeout:.0f}s") from None
+
+
+def _deliver(loop: asyncio.AbstractEventLoop, events: asyncio.Queue[RequestOutput],
+             out: RequestOutput) -> None:
+    """Hand an event to the loop; after shutdown the loop is closed and nobody is listening."""
+    try:
+        loop.call_soon_threadsafe(events.put_nowait, out)
+    except RuntimeError:
+        pass

@@ -8,18 +8,20 @@ from __future__ import annotations
 
 import json
 from collections.abc import AsyncIterator
+from dataclasses import replace
 from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ValidationError
 
 from tpserve.engine.request import RequestOutput
-from tpserve.server.engine_client import BadRequest, EngineClient, Overloaded
+from tpserve.server.engine_client import BadRequest, EngineClient, EngineUnavailable, Overloaded
+from tpserve.server.openapi_util import json_body
 from tpserve.server.protocol import AbortRequest, ErrorResponse, GenerateRequest, HealthResponse
 from tpserve.server.state import ServerState
-
+from tpserve.server.streams import SSE_DONE, GuardedStream, Item, collect, collect_all, merged, sse
 
 T = TypeVar("T", bound=BaseModel)
 
@@ -58,58 +60,25 @@ def normalise(req: GenerateRequest, client: EngineClient) -> list[tuple[list[int
     if len(raws) != len(prompts):
         raise BadRequest("sampling_params list must match the number of prompts")
     rids = req.rid if isinstance(req.rid, list) else [req.rid] * len(prompts)
+    if len(rids) != len(prompts):
+        raise BadRequest("rid list must match the number of prompts")
     items = []
-    for ids, params_raw, rid in zip(prompts, raws, rids):
+    for ids, params_raw, rid in zip(prompts, raws, rids, strict=True):
         client.check_prompt(ids)
         params = client.parse_params(params_raw)
         if req.return_logprob:
-            params = params.__class__(**{**params.__dict__, "logprobs": max(params.logprobs, req.top_logprobs_num)})
+            params = client.validated(replace(params, logprobs=max(params.logprobs,
+                                                                   req.top_logprobs_num)))
         for k, p in enumerate(client.expand_n(params)):
             items.append((ids, p, rid if k == 0 and len(prompts) == 1 else None))
     return items
 
 
-async def _collect(client: EngineClient, item: tuple) -> RequestOutput:
-    last = None
-    async for out in client.generate(*item):
-        last = out
-    assert last is not None
-    return last
-
-
-async def _stream(client: EngineClient, items: list, batched: bool, logprobs: bool
+async def _stream(client: EngineClient, items: list[Item], batched: bool, logprobs: bool
                   ) -> AsyncIterator[bytes]:
-    import asyncio
-
-    queue: asyncio.Queue[tuple[int, RequestOutput | None]] = asyncio.Queue()
-
-    async def pump(index: int, item: tuple) -> None:
-        try:
-            async for out in client.generate(*item):
-                await queue.put((index, out))
-        finally:
-            await queue.put((index, None))
-
-    tasks = [asyncio.create_task(pump(i, it)) for i, it in enumerate(items)]
-    remaining = len(tasks)
-    try:
-        while remaining:
-            index, out = await queue.get()
-            if out is None:
-                remaining -= 1
-                continue
-            body = response_dict(out, index if batched else None, logprobs)
-            yield f"data: {json.dumps(body)}\n\n".encode()
-        yield b"data: [DONE]\n\n"
-    finally:
-        for task in tasks:  # client went away: cancelling aborts the engine requests
-            task.cancel()
-
-
-def json_body(model: type[BaseModel]) -> dict[str, Any]:
-    """OpenAPI description of a JSON body that the handler parses itself."""
-    return {"requestBody": {"required": True, "content": {
-        "application/json": {"schema": model.model_json_schema(ref_template="#/components/schemas/{model}")}}}}
+    async for index, out in merged(client, items):
+        yield sse(response_dict(out, index if batched else None, logprobs))
+    yield SSE_DONE
 
 
 async def parse_body(raw: Request, model: type[T]) -> T:
@@ -139,6 +108,10 @@ def create_app(state: ServerState) -> FastAPI:
         where = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
         return error(400, f"invalid request{' at ' + where if where else ''}: {first.get('msg', exc)}")
 
+    @app.exception_handler(EngineUnavailable)
+    async def _unavailable(_: Request, exc: EngineUnavailable) -> JSONResponse:
+        return error(503, str(exc), {"Retry-After": "1"})
+
     @app.get("/health", response_model=HealthResponse, responses={503: {"model": ErrorResponse}})
     async def health() -> Any:
         problem = state.unhealthy_reason()
@@ -151,10 +124,15 @@ def create_app(state: ServerState) -> FastAPI:
             return error(503, problem)
         client = state.client
         params = client.parse_params({"max_new_tokens": 1, "temperature": 0})
-        await _collect(client, (client.tokenize("ping") or [0], params, None))
+        try:
+            with client.admit(1):
+                await collect(client, (client.tokenize("ping") or [0], params, None))
+        except Overloaded as exc:
+            return error(503, str(exc), {"Retry-After": "1"})
         return {"status": "ok"}
 
-    @app.post("/generate", responses=responses, openapi_extra=json_body(GenerateRequest))
+    @app.post("/generate", responses={**responses, 503: {"model": ErrorResponse}},
+              openapi_extra=json_body(GenerateRequest))
     async def generate(raw: Request) -> Any:
         try:
             body = await parse_body(raw, GenerateRequest)
@@ -168,15 +146,14 @@ def create_app(state: ServerState) -> FastAPI:
             items = normalise(body, client)
             batched = len(items) > 1 or isinstance(body.text, list) or (
                 bool(body.input_ids) and isinstance(body.input_ids[0], list))
+            admission = client.admit(len(items))
             if body.stream:
-                return StreamingResponse(_stream(client, items, batched, body.return_logprob),
-                                         media_type="text/event-stream")
-            import asyncio
-
-            outs = await asyncio.gather(*(_collect(client, it) for it in items))
+                return GuardedStream(_stream(client, items, batched, body.return_logprob), admission)
+            with admission:
+                outs = await collect_all(client, items)
         except BadRequest as exc:
             return error(400, str(exc))
-        except Overloaded as exc:
+        except (Overloaded, EngineUnavailable) as exc:
             return error(503, str(exc), {"Retry-After": "1"})
         bodies = [response_dict(o, None, body.return_logprob) for o in outs]
         return bodies if batched else bodies[0]
@@ -185,16 +162,18 @@ def create_app(state: ServerState) -> FastAPI:
     async def model_info() -> dict[str, Any]:
         return state.model_info()
 
-    @app.get("/get_server_info")
+    busy: dict[int | str, dict[str, Any]] = {503: {"model": ErrorResponse}}  # engine not answering
+
+    @app.get("/get_server_info", responses=busy)
     async def server_info() -> dict[str, Any]:
         return await state.server_info()
 
-    @app.post("/abort_request")
+    @app.post("/abort_request", responses=busy)
     async def abort_request(body: AbortRequest) -> dict[str, Any]:
         found = await state.client.call(lambda eng: eng.scheduler.abort(body.rid))
         return {"success": bool(found)}
 
-    @app.post("/flush_cache")
+    @app.post("/flush_cache", responses=busy)
     async def flush_cache() -> dict[str, Any]:
         # There is no prefix cache to drop; succeed only when idle, as SGLang does.
         idle = await state.client.call(lambda eng: not eng.scheduler.has_work())

@@ -16,7 +16,7 @@ class GenerateRequest(BaseModel):
     stream: bool = False
     rid: str | list[str] | None = None
     return_logprob: bool = False
-    top_logprobs_num: int = 0
+    top_logprobs_num: int = Field(0, ge=0, le=20)
 
 
 class MetaInfo(BaseModel):

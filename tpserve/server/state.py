@@ -19,9 +19,15 @@ class ServerState:
     static_info: dict[str, Any] = field(default_factory=dict)
     ready: bool = False
     shutting_down: bool = False
+    failure: str | None = None  # set by the watchdog: a rank or the engine died
+
+    def mark_shutting_down(self) -> None:
+        self.shutting_down = True
 
     def unhealthy_reason(self) -> str | None:
         engine = self.client.engine
+        if self.failure is not None:
+            return self.failure
         if engine.error is not None:
             return f"engine failed: {engine.error}"
         if self.shutting_down or engine.stopping.is_set():
@@ -55,4 +61,6 @@ def _engine_snapshot(engine: Any) -> dict[str, Any]:
         "preemptions": sched.preemptions,
         "engine": dataclasses.asdict(stats),
         "control_message_us_avg": 1e6 * stats.control_seconds / max(1, stats.steps),
+        # CUDA graphs / torch.compile: buckets, capture or compile time, memory per set
+        "cuda_graph": dict(getattr(engine.runner, "graph_info", {})),
     }

@@ -1,0 +1,134 @@
+"""Prometheus metrics: one ``CollectorRegistry`` per app, never the process-global default.
+
+Request-level series (outcomes, token counts, TTFT, inter-token latency) are updated on the
+event loop as events arrive. Engine-level series (queue lengths, KV pages, allreduce calls
+and time per backend, speculative acceptance) are read from one engine snapshot taken on the
+engine thread when ``/metrics`` is scraped, and exposed through a custom collector, so the
+engine loop itself does no metrics work.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from tpserve.server.engine_client import EngineClient, EngineUnavailable
+from tpserve.server.state import _engine_snapshot
+
+TTFT_BUCKETS = (.005, .01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10, 30, 60)
+ITL_BUCKETS = (.001, .0025, .005, .01, .02, .04, .08, .16, .32, .64, 1.28, 2.5, 5)
+KNOWN_PATHS = frozenset({"/generate", "/v1/completions", "/v1/chat/completions", "/v1/models",
+                         "/health", "/health_generate", "/metrics", "/get_server_info",
+                         "/get_model_info", "/abort_request", "/flush_cache"})
+
+
+class EngineCollector(Collector):
+    """Series derived from the latest engine snapshot (empty until the first scrape)."""
+
+    def __init__(self) -> None:
+        self.snapshot: dict[str, Any] = {}
+
+    def collect(self) -> Iterator[Any]:
+        snap = self.snapshot
+        if not snap:
+            return
+        yield _gauge("tpserve_num_running_requests", "requests in the running batch",
+                     snap.get("num_running_reqs", 0))
+        yield _gauge("tpserve_num_waiting_requests", "requests waiting for admission",
+                     snap.get("num_waiting_reqs", 0))
+        total, free = snap.get("kv_pages_total", 0), snap.get("kv_pages_free", 0)
+        yield _gauge("tpserve_kv_pages_used", "KV cache pages in use", total - free)
+        yield _gauge("tpserve_kv_pages_total", "usable KV cache pages", total)
+        yield from _allreduce(snap.get("allreduce_stats") or {})
+        yield from _speculative((snap.get("engine") or {}).get("extra") or {})
+
+
+def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+    return GaugeMetricFamily(name, doc, value=float(value))
+
+
+def _allreduce(stats: dict[str, Any]) -> Iterator[Any]:
+    calls = CounterMetricFamily("tpserve_allreduce_calls", "allreduce calls on rank 0",
+                                labels=["backend"])
+    seconds = CounterMetricFamily("tpserve_allreduce_seconds",
+                                  "time in allreduce on rank 0 (on CUDA only while "
+                                  "profiling: timing there needs a device sync)", labels=["backend"])
+    for name, snap in stats.items():
+        if isinstance(snap, dict):
+            calls.add_metric([name], float(snap.get("calls", 0)))
+            seconds.add_metric([name], float(snap.get("seconds", 0.0)))
+    yield calls
+    yield seconds
+
+
+def _speculative(extra: dict[str, Any]) -> Iterator[Any]:
+    """EAGLE statistics when speculative decoding is on; read defensively (shape may grow)."""
+    spec = extra.get("spec")
+    if not isinstance(spec, dict):
+        return
+    if isinstance(spec.get("avg_accept_length"), (int, float)):
+        yield _gauge("tpserve_spec_accept_length",
+                     "mean tokens committed per verify step (1 + accepted drafts)",
+                     spec["avg_accept_length"])
+    rates = spec.get("position_accept_rate")
+    if isinstance(rates, list):
+        family = GaugeMetricFamily("tpserve_spec_position_accept_rate",
+                                   "fraction of verify steps accepting the draft at this depth",
+                                   labels=["position"])
+        for depth, rate in enumerate(rates):
+            family.add_metric([str(depth)], float(rate))
+        yield family
+
+
+class ServerMetrics:
+    """Implements ``RequestObserver`` for the engine client and renders ``/metrics``."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        reg = self.registry
+        self.requests = Counter("tpserve_requests", "finished sequences by outcome "
+                                "(stop, length, abort, cancelled, rejected)", ["outcome"],
+                                registry=reg)
+        self.prompt_tokens = Counter("tpserve_prompt_tokens", "prompt tokens of finished "
+                                     "sequences", registry=reg)
+        self.generation_tokens = Counter("tpserve_generation_tokens", "generated tokens",
+                                         registry=reg)
+        self.ttft = Histogram("tpserve_time_to_first_token_seconds", "arrival to first token",
+                              buckets=TTFT_BUCKETS, registry=reg)
+        self.itl = Histogram("tpserve_inter_token_latency_seconds", "gap between output "
+                             "tokens (a multi-token event counts its gap split evenly)",
+                             buckets=ITL_BUCKETS, registry=reg)
+        self.http = Counter("tpserve_http_responses", "HTTP responses by path and status",
+                            ["method", "path", "status"], registry=reg)
+        self.engine = EngineCollector()
+        reg.register(self.engine)
+
+    def on_tokens(self, started: float, previous: float | None, now: float, count: int) -> None:
+        if previous is None:
+            self.ttft.observe(now - started)
+            count -= 1
+            previous = now
+        for _ in range(count):
+            self.itl.observe((now - previous) / max(1, count))
+
+    def on_finish(self, outcome: str, prompt_tokens: int, output_tokens: int) -> None:
+        self.requests.labels(outcome).inc()
+        self.prompt_tokens.inc(prompt_tokens)
+        self.generation_tokens.inc(output_tokens)
+
+    def on_rejected(self, count: int) -> None:
+        self.requests.labels("rejected").inc(count)
+
+    def on_response(self, method: str, path: str, status: int) -> None:
+        self.http.labels(method, path if path in KNOWN_PATHS else "other", str(status)).inc()
+
+    async def render(self, client: EngineClient) -> bytes:
+        try:
+            self.engine.snapshot = await client.call(_engine_snapshot, timeout=5.0)
+        except EngineUnavailable:
+            pass  # keep the last snapshot: a dead engine must not make scraping fail
+        return generate_latest(self.registry)

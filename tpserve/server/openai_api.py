@@ -1,0 +1,183 @@
+"""OpenAI-compatible endpoints: ``/v1/completions``, ``/v1/chat/completions``, ``/v1/models``.
+
+Each request becomes one engine request per (prompt, choice), admitted together (``n``
+choices count n), run concurrently, and returned as one object or streamed as server-sent
+events ending in ``data: [DONE]``, as the official ``openai`` client expects.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import Response
+
+from tpserve.chat_template import ChatTemplate
+from tpserve.server.engine_client import BadRequest, EngineClient, EngineUnavailable, Overloaded
+from tpserve.server.http import error, parse_body
+from tpserve.server.openai_format import Reply, usage
+from tpserve.server.openai_protocol import (
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    CompletionRequest,
+    CompletionResponse,
+    ModelCard,
+    ModelList,
+    SamplingFields,
+)
+from tpserve.server.openapi_util import json_body
+from tpserve.server.protocol import ErrorResponse
+from tpserve.server.state import ServerState
+from tpserve.server.streams import SSE_DONE, GuardedStream, Item, collect_all, merged, sse
+
+OPENAI_BODIES = (CompletionRequest, ChatCompletionRequest)
+SSE_DOC = {"text/event-stream": {"schema": {"type": "string"},
+                                 "example": "data: {...}\n\ndata: [DONE]\n\n"}}
+
+
+@dataclass(frozen=True)
+class Prepared:
+    items: list[Item]
+    prompt_lens: list[int]  # one per distinct prompt
+    reply: Reply
+    stream: bool
+    include_usage: bool
+
+
+def sampling_dict(req: SamplingFields, max_tokens: int, top_logprobs: int) -> dict[str, Any]:
+    """OpenAI fields in SGLang sampling-parameter names (validated by parse_params)."""
+    out: dict[str, Any] = {"max_new_tokens": max_tokens, "n": req.n, "ignore_eos": req.ignore_eos,
+                           "min_new_tokens": req.min_tokens, "logprobs": top_logprobs}
+    for name in ("temperature", "top_p", "seed", "presence_penalty", "frequency_penalty",
+                 "top_k", "min_p", "repetition_penalty", "stop"):
+        value = getattr(req, name)
+        if value is not None:
+            out[name] = value
+    return out
+
+
+class OpenAIFrontend:
+    def __init__(self, client: EngineClient, template: ChatTemplate, model_name: str) -> None:
+        self.client, self.template, self.model_name = client, template, model_name
+
+    def _reply(self, chat: bool, want_logprobs: bool) -> Reply:
+        prefix = "chatcmpl-" if chat else "cmpl-"
+        return Reply(prefix + uuid.uuid4().hex, int(time.time()), self.model_name, chat,
+                     self.client.tokenizer, want_logprobs)
+
+    def _items(self, prompts: list[list[int]], req: SamplingFields, max_tokens: int | None,
+               top_logprobs: int) -> list[Item]:
+        items: list[Item] = []
+        for ids in prompts:
+            self.client.check_prompt(ids)
+            budget = self.client.limits.context_length - len(ids)
+            limit = min(self.client.limits.max_new_tokens_limit, budget)
+            params = self.client.parse_params(
+                sampling_dict(req, limit if max_tokens is None else max_tokens, top_logprobs))
+            items.extend((ids, p, None) for p in self.client.expand_n(params))
+        return items
+
+    def prepare_completion(self, req: CompletionRequest) -> Prepared:
+        if req.echo:
+            raise BadRequest("echo is not supported")
+        prompts = self._prompts(req.prompt)
+        items = self._items(prompts, req, 16 if req.max_tokens is None else req.max_tokens,
+                            req.logprobs or 0)
+        return Prepared(items, [len(p) for p in prompts], self._reply(False, req.logprobs is not None),
+                        req.stream, bool(req.stream_options and req.stream_options.include_usage))
+
+    def _prompts(self, prompt: Any) -> list[list[int]]:
+        if isinstance(prompt, str):
+            return [self.client.tokenize(prompt)]
+        if not prompt:
+            raise BadRequest("prompt is empty")
+        if all(isinstance(p, int) for p in prompt):
+            return [list(prompt)]
+        return [self.client.tokenize(p) if isinstance(p, str) else list(p) for p in prompt]
+
+    def prepare_chat(self, req: ChatCompletionRequest) -> Prepared:
+        messages = [{"role": "system" if m.role == "developer" else m.role,
+                     "content": m.content if not isinstance(m.content, list)
+                     else "".join(part.text for part in m.content)} for m in req.messages]
+        text = self.template.render(messages, add_generation_prompt=True)
+        ids = self.client.tokenize(text, self.template.tokenize_with_special_tokens)
+        max_tokens = req.max_completion_tokens if req.max_tokens is None else req.max_tokens
+        top = (req.top_logprobs or 0) if req.logprobs else 0
+        items = self._items([ids], req, max_tokens, top)
+        return Prepared(items, [len(ids)], self._reply(True, req.logprobs), req.stream,
+                        bool(req.stream_options and req.stream_options.include_usage))
+
+    async def respond(self, prep: Prepared) -> Any:
+        admission = self.client.admit(len(prep.items))
+        if prep.stream:
+            return GuardedStream(self._stream(prep), admission)
+        with admission:
+            outs = await collect_all(self.client, prep.items)
+        return {**prep.reply.header(False),
+                "choices": [prep.reply.choice(i, o) for i, o in enumerate(outs)],
+                "usage": usage(prep.prompt_lens, outs)}
+
+    async def _stream(self, prep: Prepared) -> AsyncIterator[bytes]:
+        reply = prep.reply
+        if reply.chat:
+            yield sse(reply.role_chunk(len(prep.items)))
+        seen = [0] * len(prep.items)  # logprob entries already sent, per choice
+        finals: dict[int, Any] = {}
+        try:
+            async for index, out in merged(self.client, prep.items):
+                new_lps, seen[index] = out.logprobs[seen[index]:], len(out.logprobs)
+                if out.finished:
+                    finals[index] = out
+                elif not out.new_text and not (reply.want_logprobs and new_lps):
+                    continue  # tokens whose text is held back (partial UTF-8, stop prefix)
+                yield sse({**reply.header(True), "choices": [reply.delta(index, out, new_lps)]})
+        except (BadRequest, EngineUnavailable, RuntimeError) as exc:
+            yield sse({"error": {"message": str(exc), "type": "server_error", "code": 500}})
+        if prep.include_usage:
+            outs = [finals[i] for i in sorted(finals)]
+            yield sse({**reply.header(True), "choices": [], "usage": usage(prep.prompt_lens, outs)})
+        yield SSE_DONE
+
+
+async def _handle(raw: Request, state: ServerState, model: type[Any],
+                  prepare: Callable[[Any], Any], respond: Callable[[Any], Awaitable[Any]]) -> Any:
+    """Parse, check health, run; map failures to the standard error bodies."""
+    try:
+        body = await parse_body(raw, model)
+        problem = state.unhealthy_reason()
+        if problem:
+            return error(503, problem, {"Retry-After": "1"})
+        return await respond(prepare(body))
+    except (BadRequest, ValueError) as exc:  # ValueError: the chat template's raise_exception
+        return error(400, str(exc))
+    except (Overloaded, EngineUnavailable) as exc:
+        return error(503, str(exc), {"Retry-After": "1"})
+
+
+def register_openai(app: FastAPI, state: ServerState, template: ChatTemplate,
+                    model_name: str) -> None:
+    front = OpenAIFrontend(state.client, template, model_name)
+    errors: dict[int | str, dict[str, Any]] = {
+        400: {"model": ErrorResponse}, 503: {"model": ErrorResponse}}
+
+    @app.post("/v1/completions", response_model=CompletionResponse,
+              responses={**errors, 200: {"content": SSE_DOC}},
+              openapi_extra=json_body(CompletionRequest))
+    async def completions(raw: Request) -> Response:
+        return await _handle(raw, state, CompletionRequest, front.prepare_completion, front.respond)
+
+    @app.post("/v1/chat/completions", response_model=ChatCompletionResponse,
+              responses={**errors, 200: {"content": SSE_DOC}},
+              openapi_extra=json_body(ChatCompletionRequest))
+    async def chat_completions(raw: Request) -> Response:
+        return await _handle(raw, state, ChatCompletionRequest, front.prepare_chat, front.respond)
+
+    @app.get("/v1/models", response_model=ModelList)
+    async def models() -> ModelList:
+        card = ModelCard(id=model_name, created=int(time.time()),
+                         max_model_len=state.client.limits.context_length)
+        return ModelList(data=[card])

@@ -1,0 +1,95 @@
+"""Engine outputs rendered as OpenAI objects: choices, stream chunks, logprobs, usage."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from tokenizers import Tokenizer
+
+from tpserve.engine.request import RequestOutput
+
+LogprobEntry = tuple[int, float, list[tuple[int, float]] | None]
+
+
+def finish_reason(out: RequestOutput) -> str | None:
+    if not out.finished:
+        return None
+    kind = (out.finish_reason or {}).get("type")
+    return kind if kind in ("stop", "length") else "abort"
+
+
+@dataclass(frozen=True)
+class Reply:
+    """What every choice object of one response shares."""
+
+    id: str
+    created: int
+    model: str
+    chat: bool
+    tokenizer: Tokenizer
+    want_logprobs: bool
+
+    def header(self, chunk: bool) -> dict[str, Any]:
+        kind = ("chat.completion.chunk" if chunk else "chat.completion") if self.chat else "text_completion"
+        return {"id": self.id, "object": kind, "created": self.created, "model": self.model}
+
+    def token(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
+    def logprobs(self, entries: list[LogprobEntry]) -> dict[str, Any] | None:
+        if not self.want_logprobs:
+            return None
+        return self._chat_logprobs(entries) if self.chat else self._text_logprobs(entries)
+
+    def _text_logprobs(self, entries: list[LogprobEntry]) -> dict[str, Any]:
+        tokens = [self.token(t) for t, _, _ in entries]
+        offsets, at = [], 0
+        for text in tokens:
+            offsets.append(at)
+            at += len(text)
+        tops = [{self.token(t): lp for t, lp in top or []} for _, _, top in entries]
+        return {"tokens": tokens, "token_logprobs": [lp for _, lp, _ in entries],
+                "top_logprobs": tops, "text_offset": offsets}
+
+    def _chat_logprobs(self, entries: list[LogprobEntry]) -> dict[str, Any]:
+        def one(token_id: int, lp: float) -> dict[str, Any]:
+            text = self.token(token_id)
+            return {"token": text, "logprob": lp, "bytes": list(text.encode())}
+
+        return {"content": [{**one(t, lp), "top_logprobs": [one(i, v) for i, v in top or []]}
+                            for t, lp, top in entries]}
+
+    def choice(self, index: int, out: RequestOutput) -> dict[str, Any]:
+        """A complete (non-streamed) choice."""
+        lps = self.logprobs(out.logprobs)
+        body: dict[str, Any] = {"index": index, "logprobs": lps, "finish_reason": finish_reason(out)}
+        if self.chat:
+            body["message"] = {"role": "assistant", "content": out.text}
+        else:
+            body["text"] = out.text
+        return body
+
+    def delta(self, index: int, out: RequestOutput, new_logprobs: list[LogprobEntry]) -> dict[str, Any]:
+        """A stream chunk's choice carrying what ``out`` added."""
+        body: dict[str, Any] = {"index": index, "logprobs": self.logprobs(new_logprobs),
+                                "finish_reason": finish_reason(out)}
+        if self.chat:
+            body["delta"] = {"content": out.new_text} if out.new_text or not out.finished else {}
+        else:
+            body["text"] = out.new_text
+        return body
+
+    def role_chunk(self, count: int) -> dict[str, Any]:
+        """Chat streams open each choice with the assistant role, as OpenAI does."""
+        choices = [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                    "finish_reason": None} for i in range(count)]
+        return {**self.header(True), "choices": choices}
+
+
+def usage(prompt_lens: list[int], outs: list[RequestOutput]) -> dict[str, int]:
+    """Each distinct prompt counts once, however many choices (n) it produced."""
+    prompt = sum(prompt_lens)
+    completion = sum(len(o.output_ids) for o in outs)
+    return {"prompt_tokens": prompt, "completion_tokens": completion,
+            "total_tokens": prompt + completion}

@@ -1,0 +1,149 @@
+"""Pydantic models of the OpenAI-compatible API (the subset tpserve implements).
+
+Requests ignore unknown fields (OpenAI clients and SDK wrappers send extras); constraints
+here are the static ones, and limits that depend on the server (context length,
+``--max-new-tokens-limit``) are checked per request and answered with 400.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+Stop = str | list[str] | None
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class SamplingFields(BaseModel):
+    """Fields shared by completions and chat completions."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = Field(None, description="ignored: the server serves one model")
+    temperature: float | None = Field(None, ge=0, le=2, description="0 = greedy; default 1")
+    top_p: float | None = Field(None, gt=0, le=1)
+    n: int = Field(1, ge=1, le=16, description="choices per prompt")
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: Stop = Field(None, description="up to 4 strings that end generation (not returned)")
+    seed: int | None = Field(None, ge=-(2**63), le=2**63 - 17,
+                             description="same seed + prompt = same output")
+    presence_penalty: float | None = Field(None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(None, ge=-2, le=2)
+    user: str | None = None
+    # tpserve extensions (SGLang/vLLM names), e.g. via the openai client's extra_body
+    top_k: int | None = Field(None, ge=-1, description="-1 disables")
+    min_p: float | None = Field(None, ge=0, le=1)
+    repetition_penalty: float | None = Field(None, gt=0)
+    ignore_eos: bool = False
+    min_tokens: int = Field(0, ge=0)
+
+
+class CompletionRequest(SamplingFields):
+    prompt: str | list[str] | list[int] | list[list[int]] = Field(
+        ..., description="text, texts, token ids, or lists of token ids")
+    max_tokens: int | None = Field(16, ge=0, description="default 16")
+    logprobs: int | None = Field(None, ge=0, le=20, description="top logprobs per token")
+    echo: bool = Field(False, description="not supported: must be false")
+
+
+class TextPart(BaseModel):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+
+class ChatCompletionRequest(SamplingFields):
+    messages: list[ChatMessage] = Field(..., min_length=1)
+    max_tokens: int | None = Field(None, ge=0, description="default: up to the context length")
+    max_completion_tokens: int | None = Field(None, ge=0, description="alias of max_tokens")
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class CompletionLogprobs(BaseModel):
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]] | None
+    text_offset: list[int]
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: str | None = Field(None, description="stop | length | abort")
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+class TokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(BaseModel):
+    content: list[TokenLogprob]
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: AssistantMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = Field(None, description="stop | length | abort")
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "tpserve"
+    max_model_len: int
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]

@@ -1,0 +1,98 @@
+"""Running several engine requests for one HTTP request, streamed or collected.
+
+Shared by the SGLang and OpenAI front ends. Both guarantee that when the HTTP request ends
+for any reason (done, client gone, server shutting down) every engine request it started is
+finished or aborted and its admission released, so KV pages and queue slots come back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+from starlette.responses import StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+from tpserve.engine.request import RequestOutput
+from tpserve.server.engine_client import Admission, EngineClient
+
+Item = tuple[Any, ...]  # (prompt ids, SamplingParams, rid or None): generate()'s arguments
+
+
+async def collect(client: EngineClient, item: Item) -> RequestOutput:
+    last = None
+    async for out in client.generate(*item):
+        last = out
+    assert last is not None, "generate() always ends with a finished event"
+    return last
+
+
+async def collect_all(client: EngineClient, items: list[Item]) -> list[RequestOutput]:
+    """Final outputs in order; if one fails or we are cancelled, the others are aborted."""
+    tasks = [asyncio.create_task(collect(client, it)) for it in items]
+    try:
+        return list(await asyncio.gather(*tasks))
+    finally:
+        for task in tasks:
+            task.cancel()
+
+
+async def merged(client: EngineClient, items: list[Item]
+                 ) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """(index, event) from every request as they arrive, until all have finished."""
+    queue: asyncio.Queue[tuple[int, RequestOutput | BaseException | None]] = asyncio.Queue()
+
+    async def pump(index: int, item: Item) -> None:
+        try:
+            async for out in client.generate(*item):
+                await queue.put((index, out))
+        except Exception as exc:  # noqa: BLE001 - re-raised in the consumer
+            await queue.put((index, exc))
+        finally:
+            await queue.put((index, None))
+
+    tasks = [asyncio.create_task(pump(i, it)) for i, it in enumerate(items)]
+    remaining = len(tasks)
+    try:
+        while remaining:
+            index, out = await queue.get()
+            if out is None:
+                remaining -= 1
+            elif isinstance(out, BaseException):
+                raise out
+            else:
+                yield index, out
+    finally:
+        for task in tasks:  # client went away: cancelling aborts the engine requests
+            task.cancel()
+
+
+def sse(payload: Any) -> bytes:
+    return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n".encode()
+
+
+SSE_DONE = b"data: [DONE]\n\n"
+
+
+class GuardedStream(StreamingResponse):
+    """A streaming response that always closes its generator and releases its admission.
+
+    Starlette cancels the send loop when the client disconnects; an async generator that
+    never started (or is suspended) would then keep its engine requests and its admission.
+    """
+
+    def __init__(self, content: AsyncIterator[bytes], admission: Admission) -> None:
+        super().__init__(content, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache"})
+        self._admission = admission
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            close = getattr(self.body_iterator, "aclose", None)
+            if close is not None:
+                await close()
+            self._admission.release()
