@@ -1,13 +1,20 @@
-"""Executes step plans on one rank: build the batch, run the model, return logits."""
+"""Executes step plans on one rank: build the batch, run the model, return logits.
+
+Decode steps (one query per request, no aux states) go through ``static`` when one is set
+(CUDA graphs or torch.compile, see ``engine/phases.py``); other steps, and decode batches
+larger than every bucket, run eagerly.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from tpserve.dist import CommSwitch
 from tpserve.engine.kv_cache import KVCache
+from tpserve.engine.phases import Phase, StaticExecutor, decode_phase, run_phase
 from tpserve.engine.plan import StepPlan, build_forward_batch
 from tpserve.models.llama import LlamaForCausalLM
 
@@ -27,11 +34,17 @@ class ModelRunner:
         self.kv = kv
         self.device = device
         self.page_size = kv.cfg.page_size
+        self.decode_phase: Phase = decode_phase(model, kv.layers)
+        self.static: StaticExecutor | None = None  # set by serve.setup_static
+        self.graph_info: dict[str, Any] = {}  # capture/compile report for server info
 
     @torch.inference_mode()
     def forward(self, plan: StepPlan, aux_layers: tuple[int, ...] = ()) -> ForwardOutput:
         batch = build_forward_batch(plan, self.page_size, self.model.cfg.sliding_window, self.device)
-        hidden, aux = self.model(batch, self.kv.layers, aux_layers)
         rows = torch.from_numpy(plan.logit_rows).long().to(self.device)
+        if batch.num_queries == 1 and not aux_layers:
+            logits, hidden = run_phase(self.static, self.decode_phase, batch, {})
+            return ForwardOutput(logits=logits.index_select(0, rows), hidden=hidden, aux=[])
+        hidden, aux = self.model(batch, self.kv.layers, aux_layers)
         logits = self.model.logits(hidden.index_select(0, rows))
         return ForwardOutput(logits=logits, hidden=hidden, aux=aux)

@@ -45,9 +45,27 @@ class RotaryEmbedding(nn.Module):
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor]:
         """q: [N, Hq, D], k: [N, Hk, D], positions: [N]."""
-        cos = self.cos[positions].unsqueeze(1).to(q.dtype)
-        sin = self.sin[positions].unsqueeze(1).to(q.dtype)
-        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+        return self.at(positions, q.dtype)(positions, q, k)
+
+    def at(self, positions: torch.Tensor, dtype: torch.dtype) -> RotaryAt:
+        """cos/sin for ``positions`` gathered and cast once, reusable by every layer."""
+        return RotaryAt(self.cos[positions].unsqueeze(1).to(dtype),
+                        self.sin[positions].unsqueeze(1).to(dtype))
+
+
+class RotaryAt:
+    """A rotary embedding bound to one step's positions (same call signature as the module).
+
+    A decode step otherwise repeats the same gather + cast per layer: 4 small ops x layers
+    of pure dispatch overhead at batch 1.
+    """
+
+    def __init__(self, cos: torch.Tensor, sin: torch.Tensor) -> None:
+        self.cos, self.sin = cos, sin
+
+    def __call__(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+        return _rotate(q, self.cos, self.sin), _rotate(k, self.cos, self.sin)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tpserve.layers.linear import _param, copy_into
+from tpserve.layers.linear import _param, copy_into, linear
 from tpserve.layers.tp import TPContext
 
 
@@ -51,6 +51,6 @@ class VocabParallelEmbedding(VocabShard):
 class ParallelLMHead(VocabShard):
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         """Full-vocab logits on every rank (float32 for sampling)."""
-        local = F.linear(hidden, self.weight).float()
+        local = linear(hidden, self.weight).float()
         full = self.tp.comm.all_gather(local)
         return full[..., : self.vocab]

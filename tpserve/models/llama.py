@@ -15,7 +15,7 @@ from tpserve.engine.forward_batch import ForwardBatch
 from tpserve.layers.attention import paged_attention
 from tpserve.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from tpserve.layers.norm import RMSNorm
-from tpserve.layers.rotary import RotaryEmbedding
+from tpserve.layers.rotary import RotaryAt, RotaryEmbedding
 from tpserve.layers.tp import TPContext, divide
 from tpserve.layers.vocab import ParallelLMHead, VocabParallelEmbedding
 from tpserve.models.config import ModelConfig
@@ -38,7 +38,7 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(d, cfg.rms_norm_eps, dtype, device) if cfg.qk_norm else None
         self.k_norm = RMSNorm(d, cfg.rms_norm_eps, dtype, device) if cfg.qk_norm else None
 
-    def forward(self, x: torch.Tensor, rotary: RotaryEmbedding, batch: ForwardBatch,
+    def forward(self, x: torch.Tensor, rotary: RotaryEmbedding | RotaryAt, batch: ForwardBatch,
                 cache: KVPair) -> torch.Tensor:
         n = x.shape[0]
         q_size, kv_size = self.heads * self.head_dim, self.kv_heads * self.head_dim
@@ -80,7 +80,7 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
 
-    def forward(self, x: torch.Tensor, rotary: RotaryEmbedding, batch: ForwardBatch,
+    def forward(self, x: torch.Tensor, rotary: RotaryEmbedding | RotaryAt, batch: ForwardBatch,
                 cache: KVPair) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), rotary, batch, cache)
         return x + self.mlp(self.post_attention_layernorm(x))
@@ -107,11 +107,12 @@ class LlamaForCausalLM(nn.Module):
                 aux_layers: tuple[int, ...] = ()) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """Returns final-normed hidden [B*Q, H] and the inputs of ``aux_layers`` (same shape)."""
         x = self.embed_tokens(batch.input_ids.reshape(-1))
+        rotary = self.rotary.at(batch.positions.reshape(-1), x.dtype)  # shared by all layers
         aux: list[torch.Tensor] = []
         for i, layer in enumerate(self.layers):
             if i in aux_layers:
                 aux.append(x)
-            x = layer(x, self.rotary, batch, kv[i])
+            x = layer(x, rotary, batch, kv[i])
         if self.cfg.num_layers in aux_layers:
             aux.append(x)
         return self.norm(x), aux

@@ -9,22 +9,30 @@ every rank proposes the same tree without communicating.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
+from tpserve.engine.forward_batch import ForwardBatch
 from tpserve.models.eagle3 import Eagle3Draft
 from tpserve.spec.config import SpecConfig
 from tpserve.spec.tree import DraftTree, draft_step_batch, select_tree
 
+# (batch over B x K beam nodes, beam hidden [B, K, H]) -> (draft out [B*K, H], log-probs)
+DraftStep = Callable[[ForwardBatch, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+
 
 def draft_tree(draft: Eagle3Draft, embed: nn.Module, cache: tuple[torch.Tensor, torch.Tensor],
                start: torch.Tensor, roots: torch.Tensor, pages: torch.Tensor,
-               committed: torch.Tensor, cfg: SpecConfig, page_size: int) -> DraftTree:
+               committed: torch.Tensor, cfg: SpecConfig, page_size: int,
+               step_fn: DraftStep | None = None) -> DraftTree:
     """Propose a tree per request.
 
     ``start`` [B, H]: the draft's output for the root token (it predicts depth 1);
     ``roots`` [B]: root token ids; ``committed`` [B]: draft KV entries already committed
     (temporary nodes go right after them). Returns a tree of ``cfg.num_draft_tokens`` nodes.
+    ``step_fn`` runs one draft step (a CUDA graph / compiled phase); default: eager.
     """
     batch, hidden = start.shape
     k, device = cfg.topk, start.device
@@ -42,8 +50,13 @@ def draft_tree(draft: Eagle3Draft, embed: nn.Module, cache: tuple[torch.Tensor, 
         fb = draft_step_batch(beam_tokens.cpu(), pages, committed, step, positions, own,
                               page_size)
         fb = fb if device.type == "cpu" else fb.to(device)
-        out = draft(embed(beam_tokens.reshape(-1)), beam_hidden.reshape(-1, hidden), fb, cache)
-        logp = torch.log_softmax(draft.logits(out), dim=-1).view(batch, k, -1)
+        if step_fn is not None:
+            out, logp = step_fn(fb, beam_hidden)
+        else:
+            out = draft(embed(beam_tokens.reshape(-1)), beam_hidden.reshape(-1, hidden), fb,
+                        cache)
+            logp = torch.log_softmax(draft.logits(out), dim=-1)
+        logp = logp.view(batch, k, -1)
         top_score, top_ids = logp.topk(k, dim=-1)  # [B, K(parent beam), K(child)]
         child_score = (beam_score[:, :, None] + top_score).reshape(batch, k * k)
         child_tokens = draft.to_target(top_ids).reshape(batch, k * k)

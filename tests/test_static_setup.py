@@ -1,0 +1,49 @@
+"""Start-up decisions for fixed-shape execution (CPU-testable): buckets from flags, the
+capture-safety check, and the graph-memory reserve that shrinks the KV cache."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from comm_backends.torch_dist import GlooAllReduce
+from tpserve.args import ServerArgs, parse_args
+from tpserve.dist import CommSwitch
+from tpserve.engine.static_setup import (
+    ModelShape,
+    batch_sizes,
+    capture_unsafe_reason,
+    graph_reserve_bytes,
+    make_executor,
+    max_keys,
+)
+
+SHAPE = ModelShape(vocab=128256, hidden=2048, inter_local=8192, heads_local=32,
+                   kv_heads_local=8, head_dim=64, itemsize=2)
+CUDA = torch.device("cuda")  # only a device descriptor: nothing is allocated
+
+
+def test_flags_to_buckets() -> None:
+    assert batch_sizes(parse_args(["--cuda-graph-max-bs", "16"])) == (1, 2, 4, 8, 12, 16)
+    assert batch_sizes(parse_args(["--cuda-graph-bs", "8", "1", "2"])) == (1, 2, 8)
+    assert max_keys(1000, 16) == 1072  # context + speculative lookahead, page multiple
+
+
+def test_capture_safety() -> None:
+    comm = CommSwitch({"gloo": GlooAllReduce(None, torch.device("cpu"))}, "gloo")
+    assert capture_unsafe_reason(comm, 1) is None
+    reason = capture_unsafe_reason(comm, 2)
+    assert reason is not None and "'gloo' is not CUDA-graph capture-safe" in reason
+    args = ServerArgs(device="cuda")
+    with pytest.raises(SystemExit, match="capture-safe"):
+        make_executor(args, [], CUDA, comm, 2, 128)
+
+
+def test_reserve_grows_with_max_bs() -> None:
+    small = graph_reserve_bytes(ServerArgs(cuda_graph_max_bs=8), SHAPE, 4096, CUDA)
+    large = graph_reserve_bytes(ServerArgs(cuda_graph_max_bs=64), SHAPE, 4096, CUDA)
+    spec = graph_reserve_bytes(ServerArgs(cuda_graph_max_bs=64, speculative_algorithm="EAGLE3"),
+                               SHAPE, 4096, CUDA)
+    assert 0 < small < large < spec
+    assert graph_reserve_bytes(ServerArgs(disable_cuda_graph=True), SHAPE, 4096, CUDA) == 0
+    assert graph_reserve_bytes(ServerArgs(), SHAPE, 4096, torch.device("cpu")) == 0

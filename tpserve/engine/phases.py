@@ -1,0 +1,85 @@
+"""The fixed-shape forwards that CUDA graphs capture and torch.compile compiles.
+
+A ``Phase`` is a pure function of a padded ``ForwardBatch`` plus per-row extra inputs, with
+every output flattened to [B * Q, ...] rows so an executor can pad, run, and slice the real
+rows back out. The three phases are the hot loops of decoding:
+
+- ``decode``: target forward over one token per request -> logits, final hidden;
+- ``draft``: one EAGLE-3 draft step over K beam nodes -> draft output, draft log-probs;
+- ``verify``: target forward over the N tree nodes -> logits, fc'd aux features.
+
+Executors (``graphs.CudaGraphExecutor``, ``compiled.CompiledExecutor``) share the
+``StaticExecutor`` protocol; ``run`` returns None when no bucket fits (the caller then runs
+the same phase eagerly, which is also how the reference outputs in tests are produced).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+
+from tpserve.engine.buckets import pad_rows
+from tpserve.engine.forward_batch import ForwardBatch
+
+PhaseFn = Callable[[ForwardBatch, dict[str, torch.Tensor]], tuple[torch.Tensor, ...]]
+
+
+@dataclass(frozen=True)
+class Phase:
+    name: str
+    queries: int  # Q: tokens per request row
+    fn: PhaseFn
+    # extra input name -> (trailing shape after [B, Q], dtype); padded rows are zeros
+    extras: dict[str, tuple[tuple[int, ...], torch.dtype]] = field(default_factory=dict)
+
+
+class StaticExecutor(Protocol):
+    info: dict[str, Any]  # capture / compile report, merged into /get_server_info
+
+    def run(self, phase: str, fb: ForwardBatch,
+            extras: dict[str, torch.Tensor]) -> tuple[torch.Tensor, ...] | None: ...
+
+
+def decode_phase(model: Any, kv_layers: list[Any]) -> Phase:
+    def decode(fb: ForwardBatch, extras: dict[str, torch.Tensor]) -> tuple[torch.Tensor, ...]:
+        hidden, _ = model(fb, kv_layers)
+        return model.logits(hidden), hidden
+
+    return Phase("decode", 1, decode)
+
+
+def verify_phase(model: Any, kv_layers: list[Any], draft: Any, aux_sorted: tuple[int, ...],
+                 aux_order: list[int], num_nodes: int) -> Phase:
+    def verify(fb: ForwardBatch, extras: dict[str, torch.Tensor]) -> tuple[torch.Tensor, ...]:
+        hidden, aux = model(fb, kv_layers, aux_sorted)
+        feats = draft.project(torch.cat([aux[i] for i in aux_order], dim=-1))
+        return model.logits(hidden), feats
+
+    return Phase("verify", num_nodes, verify)
+
+
+def draft_phase(draft: Any, embed: Any, cache: Any, topk: int, hidden_size: int,
+                dtype: torch.dtype) -> Phase:
+    def draft_step(fb: ForwardBatch, extras: dict[str, torch.Tensor]) -> tuple[torch.Tensor, ...]:
+        hidden = extras["hidden"].reshape(-1, hidden_size)
+        out = draft(embed(fb.input_ids.reshape(-1)), hidden, fb, cache)
+        return out, torch.log_softmax(draft.logits(out), dim=-1)
+
+    return Phase("draft", topk, draft_step, {"hidden": ((hidden_size,), dtype)})
+
+
+def run_phase(executor: StaticExecutor | None, phase: Phase, fb: ForwardBatch,
+              extras: dict[str, torch.Tensor]) -> tuple[torch.Tensor, ...]:
+    """The executor's fixed-shape run when a bucket fits, else the eager phase."""
+    if executor is not None:
+        out = executor.run(phase.name, fb, extras)
+        if out is not None:
+            return out
+    return phase.fn(fb, extras)
+
+
+def pad_extras(extras: dict[str, torch.Tensor], batch: int) -> dict[str, torch.Tensor]:
+    return {k: pad_rows(v, batch) for k, v in extras.items()}

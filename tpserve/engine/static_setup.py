@@ -1,0 +1,142 @@
+"""Start-up wiring for fixed-shape execution: which executor, which buckets, how much memory.
+
+GPU: CUDA graphs unless ``--disable-cuda-graph``; TP > 1 needs a capture-safe allreduce
+backend and otherwise refuses to start (running some phases eagerly would silently cost the
+speed the user asked for; the error names the fix). CPU: ``--compile`` enables the
+torch.compile executor. Both use the same batch buckets (``--cuda-graph-bs`` or the defaults
+up to ``--cuda-graph-max-bs``).
+
+Memory: ``graph_reserve_bytes`` estimates what capture will take (peak activations of the
+largest bucket, shared through one pool, plus every graph's resident outputs) so the KV
+cache is sized after it; raising ``--cuda-graph-max-bs`` therefore visibly trades KV pages.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from tpserve.args import ServerArgs
+from tpserve.dist import CommSwitch
+from tpserve.engine.buckets import Buckets, default_batch_sizes, power_of_two_keys, round_up
+from tpserve.engine.phases import Phase
+
+log = logging.getLogger(__name__)
+
+LOOKAHEAD = 64  # rotary tables (and so key spans) reach this far past the context
+GRAPH_OVERHEAD = 1 << 20  # bytes per captured graph beyond its tensors (rough)
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    vocab: int
+    hidden: int
+    inter_local: int
+    heads_local: int
+    kv_heads_local: int
+    head_dim: int
+    itemsize: int
+
+    @staticmethod
+    def of(model: Any, dtype: torch.dtype) -> ModelShape:
+        attn, mlp = model.layers[0].self_attn, model.layers[0].mlp
+        return ModelShape(model.lm_head.per_rank * model.tp.size, model.cfg.hidden_size,
+                          mlp.inter_local, attn.heads, attn.kv_heads, attn.head_dim,
+                          dtype.itemsize)
+
+
+def batch_sizes(args: ServerArgs) -> tuple[int, ...]:
+    if args.cuda_graph_bs:
+        return tuple(sorted(set(args.cuda_graph_bs)))
+    return default_batch_sizes(args.cuda_graph_max_bs)
+
+
+def max_keys(context_length: int, page_size: int) -> int:
+    return round_up(context_length + LOOKAHEAD, page_size)
+
+
+def uses_graphs(args: ServerArgs, device: torch.device) -> bool:
+    return device.type == "cuda" and not args.disable_cuda_graph
+
+
+def phase_queries(args: ServerArgs) -> tuple[int, ...]:
+    """Q of every captured phase: decode, then draft (topk) and verify (draft tokens)."""
+    if not args.speculative_algorithm:
+        return (1,)
+    return (1, args.speculative_eagle_topk, args.speculative_num_draft_tokens)
+
+
+def graph_reserve_bytes(args: ServerArgs, shape: ModelShape, context_length: int,
+                        device: torch.device) -> int:
+    """Estimated CUDA-graph memory: shared-pool peak + resident outputs + per-graph overhead."""
+    if not uses_graphs(args, device):
+        return 0
+    sizes, keys = batch_sizes(args), max_keys(context_length, args.page_size)
+    peak = max(_activation_bytes(shape, sizes[-1], q, keys) for q in phase_queries(args))
+    out_row = shape.vocab * 4 + shape.hidden * shape.itemsize
+    outputs = sum(b * q * out_row for b in sizes for q in phase_queries(args))
+    return peak + outputs + GRAPH_OVERHEAD * len(sizes) * len(phase_queries(args))
+
+
+def _activation_bytes(s: ModelShape, batch: int, queries: int, keys: int) -> int:
+    tokens = batch * queries
+    logits = tokens * s.vocab * (4 + s.itemsize)  # model-dtype logits, then float32
+    gathered = 4 * batch * keys * s.kv_heads_local * s.head_dim * s.itemsize  # K, V (+ copies)
+    scores = batch * s.heads_local * queries * keys * 4  # masked SDPA materialises scores
+    mlp = 3 * tokens * s.inter_local * s.itemsize
+    return logits + gathered + scores + mlp
+
+
+def capture_unsafe_reason(comm: CommSwitch | None, world_size: int) -> str | None:
+    if comm is None or world_size == 1:
+        return None  # a single rank never communicates: any backend is fine
+    if not comm.active.capture_safe:
+        return (f"allreduce backend '{comm.active_name}' is not CUDA-graph capture-safe; use "
+                "a capture-safe backend (nccl, cuda_p2p, symm_mem) or --disable-cuda-graph")
+    return None
+
+
+def make_executor(args: ServerArgs, phases: list[Phase], device: torch.device,
+                  comm: CommSwitch | None, world_size: int, context_length: int) -> Any:
+    """Build (and on GPU capture) the executor for ``phases``; None when running eagerly."""
+    sizes = batch_sizes(args)
+    if uses_graphs(args, device):
+        from tpserve.engine.graphs import CudaGraphExecutor, GraphConfig
+
+        reason = capture_unsafe_reason(comm, world_size)
+        if reason is not None:
+            raise SystemExit(f"error: {reason}")
+        executor = CudaGraphExecutor(
+            GraphConfig(sizes, max_keys(context_length, args.page_size)), device, comm)
+        for phase in phases:
+            executor.capture(phase)
+        return executor
+    if args.compile and device.type == "cpu":
+        from tpserve.engine.compiled import CompileConfig, CompiledExecutor
+
+        keys = power_of_two_keys(max_keys(context_length, args.page_size), args.page_size)
+        cfg = CompileConfig(Buckets(sizes, keys), args.compile_mode, fullgraph=world_size == 1)
+        return CompiledExecutor(phases, cfg)
+    if args.compile:
+        log.warning("--compile is for CPU; on %s use CUDA graphs (the default)", device.type)
+    return None
+
+
+def install_static(args: ServerArgs, runner: Any, spec: Any, world_size: int,
+                   context_length: int) -> None:
+    """Set ``runner.static`` (shared by the speculative decoder) and its report."""
+    phases = [runner.decode_phase]
+    if spec is not None:
+        phases += [spec.draft_phase, spec.verify_phase]
+    executor = make_executor(args, phases, runner.device, runner.comm, world_size,
+                             context_length)
+    runner.static = executor
+    # The executor's own dict: compile times recorded later show up live.
+    runner.graph_info = executor.info if executor is not None else {"kind": "eager"}
+    if executor is not None:
+        shape = ModelShape.of(runner.model, runner.kv.cfg.dtype)
+        reserved = graph_reserve_bytes(args, shape, context_length, runner.device)
+        runner.graph_info["reserved_mb"] = round(reserved / 2**20, 1)
