@@ -30,6 +30,7 @@ class ServerArgs:
     log_level: str = "info"
     dist_timeout_s: float = 600.0
     api_key: str | None = None
+    enable_profiling: bool = False
     max_request_bytes: int = 8 << 20  # larger HTTP bodies get 413
     shutdown_timeout_s: float = 10.0  # grace for in-flight requests on SIGTERM/SIGINT
     speculative_algorithm: str | None = None  # None | "EAGLE3"
@@ -65,6 +66,7 @@ FLAG_HELP = {
     "max_new_tokens_limit": "largest max_new_tokens a request may ask for",
     "seed": "server seed for requests without one",
     "log_level": "debug | info | warning", "dist_timeout_s": "collective timeout (s)",
+    "enable_profiling": "time every engine phase per step (also togglable via /admin/config)",
     "api_key": "require 'Authorization: Bearer KEY' (also env TPSERVE_API_KEY)",
     "max_request_bytes": "largest HTTP request body accepted (larger: 413)",
     "shutdown_timeout_s": "on SIGTERM/SIGINT, seconds in-flight requests get to finish",

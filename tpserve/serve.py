@@ -162,6 +162,8 @@ def run(args: ServerArgs) -> int:
         PageAllocator(setup.runner.kv.cfg.num_pages),
     )
     engine = Engine(setup.runner, scheduler, channel, setup.context_length, spec)
+    if args.enable_profiling:
+        engine.reconfigure({"profiling": True})
     thread = threading.Thread(target=engine.run, name="tpserve-engine", daemon=True)
     thread.start()
     tokenizer = load_tokenizer(Path(args.tokenizer) if args.tokenizer else setup.model_dir)

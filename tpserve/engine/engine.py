@@ -19,8 +19,10 @@ from typing import Any, Protocol
 
 import torch
 
+from tpserve.engine.admin import apply_change, spec_enabled, spec_settings, validate_change
 from tpserve.engine.finish import append_tokens, emit_progress
 from tpserve.engine.plan import StepPlan
+from tpserve.engine.profiler import StepProfiler, TraceCapture
 from tpserve.engine.request import Request
 from tpserve.engine.runner import ModelRunner
 from tpserve.engine.sampler import apply_min_tokens, apply_penalties, sample
@@ -66,6 +68,8 @@ class Engine:
         self.stats = EngineStats()
         self.stopping = threading.Event()
         self.error: BaseException | None = None
+        self.profiler = StepProfiler(runner.comm)
+        self.trace: TraceCapture | None = None  # a torch.profiler capture in progress
 
     def submit(self, cmd: Command) -> None:
         self.inbox.put(cmd)
@@ -74,9 +78,13 @@ class Engine:
         try:
             while not self.stopping.is_set():
                 self._drain(block=not self.scheduler.has_work())
+                start = time.perf_counter()
                 batch = self.scheduler.next_batch()
                 if batch is not None:
-                    self.step(batch)
+                    with self.profiler.step(start):
+                        self.profiler.record("schedule", time.perf_counter() - start)
+                        self.step(batch)
+                    self._trace_tick()
         except BaseException as exc:  # surfaced to /health and the process exit code
             log.exception("engine loop failed")
             self.error = exc
@@ -114,29 +122,75 @@ class Engine:
         elif cmd.kind == "abort":
             result = self.scheduler.abort(cmd.payload)
         else:  # "call": run a function on the engine thread, between steps
-            result = cmd.payload(self)
+            try:
+                result = cmd.payload(self)
+            except Exception as exc:  # a bad admin call must not stop the engine
+                result = exc
         if cmd.done is not None:
             cmd.done(result)
 
     def step(self, batch: ScheduledBatch) -> None:
-        if self.spec is not None and batch.kind == "decode":
+        if spec_enabled(self.spec) and batch.kind == "decode":
             spec_decode_step(self, batch)
             return
+        prof = self.profiler
         start = time.perf_counter()
         plan = self.scheduler.plan(batch)
         if self.spec is not None:
             plan.extra.update(bookkeeping(self.spec, self.scheduler, batch.requests))
-        self.broadcast(plan)
-        out = self.spec.prefill(plan) if self.spec is not None else self.runner.forward(plan)
-        sampling = [r for r, s in zip(batch.requests, batch.samples()) if s]
-        tokens, logprobs = self.sample(sampling, out.logits) if sampling else ([], [])
-        for req, q in zip(batch.requests, batch.q_lens):
-            req.num_cached += q
-        for req, token, lp in zip(sampling, tokens, logprobs):
-            append_tokens(req, [token], self.context_length, [lp])
-            emit_progress(req)
-        self.scheduler.release_finished()
+        with prof.phase("control"):
+            self.broadcast(plan)
+        with prof.phase(batch.kind):
+            # With a draft loaded, plain steps still feed it (spec.prefill), so speculation
+            # can be switched on live for requests already running.
+            out = self.spec.prefill(plan) if self.spec is not None else self.runner.forward(plan)
+        with prof.phase("sample"):
+            sampling = [r for r, s in zip(batch.requests, batch.samples()) if s]
+            tokens, logprobs = self.sample(sampling, out.logits) if sampling else ([], [])
+        with prof.phase("output"):
+            for req, q in zip(batch.requests, batch.q_lens):
+                req.num_cached += q
+            for req, token, lp in zip(sampling, tokens, logprobs):
+                append_tokens(req, [token], self.context_length, [lp])
+                emit_progress(req)
+            self.scheduler.release_finished()
         self._account(batch, time.perf_counter() - start)
+
+    def reconfigure(self, change: dict[str, Any]) -> dict[str, Any]:
+        """Validate and apply a live change on every rank; returns the active settings."""
+        lookahead = self.scheduler.cfg.decode_lookahead
+        valid = validate_change(change, self.runner.comm, self.spec, lookahead)
+        if valid:
+            self.broadcast(StepPlan(kind="admin", extra=valid))
+            apply_change(valid, self.runner, self.spec)
+        if change.get("profiling") is not None:
+            if self.runner.comm is not None:
+                self.runner.comm.set_profiling(bool(change["profiling"]))
+            self.profiler.enabled = bool(change["profiling"])
+        if change.get("reset_stats"):
+            self.reset_stats()
+        return self.active_settings()
+
+    def active_settings(self) -> dict[str, Any]:
+        comm = self.runner.comm
+        return {"allreduce": comm.active_name if comm is not None else None,
+                "speculative": spec_settings(self.spec), "profiling": self.profiler.enabled}
+
+    def reset_stats(self) -> None:
+        self.profiler.reset()
+        self.stats.extra.pop("spec", None)
+        if self.spec is not None:
+            self.spec.timing.clear()
+
+    def start_trace(self, steps: int, path: str) -> TraceCapture:
+        if self.trace is not None:
+            raise ValueError("a profiler trace is already being captured")
+        self.trace = TraceCapture.start(steps, path)
+        return self.trace
+
+    def _trace_tick(self) -> None:
+        if self.trace is not None and self.trace.tick():
+            self.trace = None
 
     def sample(self, reqs: list[Request], logits: torch.Tensor) -> tuple[list[int], list[Any]]:
         params = [r.params for r in reqs]
@@ -172,3 +226,5 @@ def follow(runner: ModelRunner, channel: Channel, spec: SpecDecoder | None = Non
                 runner.forward(plan)
         elif plan.kind == "spec" and spec is not None:
             spec.follow_step(plan, channel)
+        elif plan.kind == "admin":
+            apply_change(plan.extra, runner, spec)

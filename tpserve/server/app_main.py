@@ -21,6 +21,7 @@ from tpserve.args import ServerArgs
 from tpserve.chat_template import ChatTemplate, load_chat_template
 from tpserve.demo import served_name
 from tpserve.engine.engine import Engine
+from tpserve.server.admin_api import ADMIN_BODIES, register_admin
 from tpserve.server.engine_client import ClientLimits, EngineClient
 from tpserve.server.guard import OPEN_PATHS, Guard, GuardConfig
 from tpserve.server.http import create_app
@@ -43,6 +44,7 @@ def build_app(state: ServerState, metrics: ServerMetrics, template: ChatTemplate
     """Every route, the guard and the completed OpenAPI schema; no process-global state."""
     app = create_app(state)
     register_openai(app, state, template, model_name)
+    register_admin(app, state)
 
     @app.get("/metrics", response_class=Response,
              responses={200: {"content": {CONTENT_TYPE_LATEST: {"schema": {"type": "string"}}}}})
@@ -52,7 +54,7 @@ def build_app(state: ServerState, metrics: ServerMetrics, template: ChatTemplate
     key = api_key(state.args)
     app.add_middleware(Guard, cfg=GuardConfig(key, state.args.max_request_bytes),
                        on_response=metrics.on_response)
-    finish_schema(app, (GenerateRequest, *OPENAI_BODIES, ErrorResponse), key is not None,
+    finish_schema(app, (GenerateRequest, *OPENAI_BODIES, *ADMIN_BODIES, ErrorResponse), key is not None,
                   OPEN_PATHS)
     return app
 

@@ -45,6 +45,7 @@ class EngineCollector(Collector):
         yield _gauge("tpserve_kv_pages_total", "usable KV cache pages", total)
         yield from _allreduce(snap.get("allreduce_stats") or {})
         yield from _speculative((snap.get("engine") or {}).get("extra") or {})
+        yield from _profile(snap.get("profile") or {})
 
 
 def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
@@ -82,6 +83,27 @@ def _speculative(extra: dict[str, Any]) -> Iterator[Any]:
         for depth, rate in enumerate(rates):
             family.add_metric([str(depth)], float(rate))
         yield family
+
+
+def _profile(prof: dict[str, Any]) -> Iterator[Any]:
+    """Step profiler (``--enable-profiling``): mean ms per step by phase, allreduces by phase."""
+    if not prof.get("steps"):
+        return
+    yield _gauge("tpserve_step_ms", "mean engine step time (profiled steps)", prof["step_ms_avg"])
+    phases = GaugeMetricFamily("tpserve_phase_ms_per_step", "mean ms per step spent in a phase",
+                               labels=["phase"])
+    for name, entry in prof.get("phases", {}).items():
+        phases.add_metric([name], float(entry["ms_per_step"]))
+    yield phases
+    ar_ms = GaugeMetricFamily("tpserve_phase_allreduce_ms_per_step",
+                              "allreduce ms per step issued from a phase", labels=["phase"])
+    ar_calls = GaugeMetricFamily("tpserve_phase_allreduce_calls_per_step",
+                                 "allreduce calls per step issued from a phase", labels=["phase"])
+    for name, entry in prof.get("allreduce", {}).items():
+        ar_ms.add_metric([name], float(entry["ms_per_step"]))
+        ar_calls.add_metric([name], float(entry["calls_per_step"]))
+    yield ar_ms
+    yield ar_calls
 
 
 class ServerMetrics:

@@ -61,6 +61,8 @@ def _engine_snapshot(engine: Any) -> dict[str, Any]:
         "preemptions": sched.preemptions,
         "engine": dataclasses.asdict(stats),
         "control_message_us_avg": 1e6 * stats.control_seconds / max(1, stats.steps),
+        "active": engine.active_settings(),
+        "profile": engine.profiler.snapshot(),
         # CUDA graphs / torch.compile: buckets, capture or compile time, memory per set
         "cuda_graph": dict(getattr(engine.runner, "graph_info", {})),
     }

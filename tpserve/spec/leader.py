@@ -24,7 +24,18 @@ def bookkeeping(spec: SpecDecoder, scheduler: Scheduler, reqs: list[Request]) ->
     """Plan extras: which state rows the step touches and which finished ones to forget."""
     live = {request_key(r) for r in (*scheduler.running, *scheduler.waiting)}
     return {"spec_keys": [request_key(r) for r in reqs],
-            "spec_drop": [k for k in spec.pending if k not in live]}
+            "spec_drop": [k for k in spec.pending if k not in live],
+            "spec_prev_tokens": [_held_tokens(spec, r) for r in reqs]}
+
+
+def _held_tokens(spec: SpecDecoder, req: Request) -> list[int]:
+    """Tokens that pair with all but the last pending feature of ``req`` (none after a
+    prefill chunk; the accepted run after a speculative step, if speculation was then
+    switched off live)."""
+    held = spec.pending.get(request_key(req))
+    if req.num_cached == 0 or held is None or len(held) <= 1:
+        return []
+    return req.tokens(req.num_cached - len(held) + 1, req.num_cached)
 
 
 def spec_plan(spec: SpecDecoder, scheduler: Scheduler, reqs: list[Request]) -> StepPlan:
@@ -44,28 +55,37 @@ def spec_plan(spec: SpecDecoder, scheduler: Scheduler, reqs: list[Request]) -> S
 def spec_decode_step(engine: Any, batch: ScheduledBatch) -> None:
     """One draft + verify + accept step for a decode batch (rank 0)."""
     spec: SpecDecoder = engine.spec
+    prof = engine.profiler
     reqs = batch.requests
     start = time.perf_counter()
     plan = spec_plan(spec, engine.scheduler, reqs)
-    engine.broadcast(plan)
+    with prof.phase("control"):
+        engine.broadcast(plan)
+    before = dict(spec.timing)
     verified = spec.draft_and_verify(plan)
+    for name, phase in (("draft", "draft"), ("verify_forward", "verify")):
+        prof.record(phase, spec.timing.get(name, 0.0) - before.get(name, 0.0))
     tick = time.perf_counter()
-    eos = sorted({t for r in reqs for t in r.eos_ids})
-    logits = node_logits(reqs, verified.tree.tokens, verified.tree.parents,
-                         verified.logits.float(), eos)
-    accepted = accept_batch(reqs, verified.tree.tokens, verified.tree.parents, logits)
-    paths = [a.nodes for a in accepted]
-    engine.broadcast(StepPlan(kind="spec_commit", extra={"paths": paths}))
+    with prof.phase("accept"):
+        eos = sorted({t for r in reqs for t in r.eos_ids})
+        logits = node_logits(reqs, verified.tree.tokens, verified.tree.parents,
+                             verified.logits.float(), eos)
+        accepted = accept_batch(reqs, verified.tree.tokens, verified.tree.parents, logits)
+        paths = [a.nodes for a in accepted]
+    with prof.phase("control"):
+        engine.broadcast(StepPlan(kind="spec_commit", extra={"paths": paths}))
     spec.timing["accept"] = spec.timing.get("accept", 0.0) + time.perf_counter() - tick
-    spec.commit(plan.extra["spec_keys"], verified, paths)
-    appended = 0
-    for b, (req, acc) in enumerate(zip(reqs, accepted, strict=True)):
-        req.num_cached = req.seq_len - 1 + len(acc.tokens)
-        appended += append_tokens(req, acc.tokens, engine.context_length,
-                                  token_logprobs(req, acc, logits[b]))
-        record_request(req, acc)
-        emit_progress(req)
-    engine.scheduler.release_finished()
+    with prof.phase("commit"):
+        spec.commit(plan.extra["spec_keys"], verified, paths)
+    with prof.phase("output"):
+        appended = 0
+        for b, (req, acc) in enumerate(zip(reqs, accepted, strict=True)):
+            req.num_cached = req.seq_len - 1 + len(acc.tokens)
+            appended += append_tokens(req, acc.tokens, engine.context_length,
+                                      token_logprobs(req, acc, logits[b]))
+            record_request(req, acc)
+            emit_progress(req)
+        engine.scheduler.release_finished()
     record_server(engine, spec, accepted, appended, time.perf_counter() - start)
 
 
@@ -87,7 +107,9 @@ def record_server(engine: Any, spec: SpecDecoder, accepted: list[Accepted], appe
     stats.step_seconds += seconds
     stats.decode_tokens += appended
     s = stats.extra.setdefault("spec", {"steps": 0, "verify_ct": 0, "accepted_drafts": 0,
-                                        "position_accepts": [0] * spec.cfg.num_steps})
+                                        "position_accepts": []})
+    depth = spec.cfg.num_steps  # may change live: grow the per-position counters
+    s["position_accepts"] += [0] * max(0, depth - len(s["position_accepts"]))
     s["steps"] += 1
     s["verify_ct"] += len(accepted)
     for acc in accepted:

@@ -24,7 +24,9 @@ from typing import Any
 import numpy as np
 import torch
 
+from tpserve.engine.forward_batch import ForwardBatch
 from tpserve.engine.kv_cache import KVCache
+from tpserve.engine.phases import draft_phase, run_phase, verify_phase
 from tpserve.engine.plan import StepPlan, build_forward_batch
 from tpserve.engine.runner import ForwardOutput, ModelRunner
 from tpserve.models.eagle3 import Eagle3Draft
@@ -51,6 +53,25 @@ class SpecDecoder:
         self.aux_order = [self.aux_sorted.index(i) for i in aux_layers]
         self.pending: dict[int, torch.Tensor] = {}
         self.timing: dict[str, float] = {}
+        # Fixed-shape phases: run through runner.static (CUDA graphs / compile) when set.
+        model = runner.model
+        self.verify_phase = verify_phase(model, runner.kv.layers, draft, self.aux_sorted,
+                                         self.aux_order, cfg.num_draft_tokens)
+        self.draft_phase = draft_phase(draft, model.embed_tokens, draft_kv.layers[0], cfg.topk,
+                                       draft.cfg.base.hidden_size, draft.fc.weight.dtype)
+
+    def on_config_change(self) -> None:
+        """The tree shape changed live: rebuild the verify and draft phases, and have the
+        static executor recapture/recompile only those (target decode is unaffected)."""
+        model = self.runner.model
+        self.verify_phase = verify_phase(model, self.runner.kv.layers, self.draft, self.aux_sorted,
+                                         self.aux_order, self.cfg.num_draft_tokens)
+        self.draft_phase = draft_phase(self.draft, model.embed_tokens, self.draft_kv.layers[0],
+                                       self.cfg.topk, self.draft.cfg.base.hidden_size,
+                                       self.draft.fc.weight.dtype)
+        refresh = getattr(self.runner.static, "refresh", None)
+        if refresh is not None:
+            refresh([self.verify_phase, self.draft_phase])
 
     # ---- shared by every rank ----
 
@@ -74,7 +95,8 @@ class SpecDecoder:
     def prefill(self, plan: StepPlan) -> ForwardOutput:
         """Target prefill chunk with aux states, then the draft over the same chunk."""
         self._apply_drops(plan)
-        self._phase("prefill")
+        # No phase tag here: the caller (prefill, or a plain decode step while speculation is
+        # switched off) has already tagged its allreduces.
         out = self.runner.forward(plan, self.aux_sorted)
         feats = self._features(out.aux)
         q_max = plan.token_ids.shape[1]
@@ -88,12 +110,15 @@ class SpecDecoder:
                 toks.append(chunk[1:])
                 starts.append(0)
             else:
-                rows.append(torch.cat([self.pending[key], new[: q - 1]]))
-                toks.append(chunk)
-                starts.append(cached - 1)
+                # After a speculative step m > 1 features can be pending (the accepted path);
+                # they pair with the m - 1 tokens before this chunk, which the plan carries.
+                held = self.pending[key]
+                prev = torch.tensor(plan.extra["spec_prev_tokens"][b], dtype=torch.long)
+                rows.append(torch.cat([held, new[: q - 1]]))
+                toks.append(torch.cat([prev, chunk]))
+                starts.append(cached - len(held))
             self.pending[key] = new[q - 1 :]
         self._draft_extend(rows, toks, starts, plan.page_table)
-        self._phase("other")
         return out
 
     def _draft_extend(self, rows: list[torch.Tensor], toks: list[torch.Tensor],
@@ -135,13 +160,18 @@ class SpecDecoder:
         roots = torch.tensor([int(plan.token_ids[b, n - 1]) for b, n in enumerate(lens)])
         tree = draft_tree(self.draft, self.runner.model.embed_tokens, self.draft_kv.layers[0],
                           root_out, roots, pages, committed, self.cfg,
-                          self.draft_kv.cfg.page_size)
+                          self.draft_kv.cfg.page_size, self._draft_step)
         start = self._tick("draft", start)
         self._phase("verify")
         out = self._verify_forward(tree, pages, committed)
         self._tick("verify_forward", start)
         self._phase("other")
         return out
+
+    def _draft_step(self, fb: ForwardBatch, hidden: torch.Tensor
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+        out, logp = run_phase(self.runner.static, self.draft_phase, fb, {"hidden": hidden})
+        return out, logp
 
     def _verify_forward(self, tree: DraftTree, pages: torch.Tensor,
                         committed: torch.Tensor) -> Verified:
@@ -153,10 +183,9 @@ class SpecDecoder:
         model = self.runner.model
         fb = build_forward_batch(plan, self.runner.page_size, model.cfg.sliding_window,
                                  self.runner.device, tree_mask=tree.mask, depths=tree.depths)
-        hidden, aux = model(fb, self.runner.kv.layers, self.aux_sorted)
-        logits = model.logits(hidden).view(batch, n, -1)
-        feats = self._features(aux).view(batch, n, -1)
-        return Verified(tree, logits, feats, pages, committed)
+        logits, feats = run_phase(self.runner.static, self.verify_phase, fb, {})
+        return Verified(tree, logits.view(batch, n, -1), feats.view(batch, n, -1), pages,
+                        committed)
 
     @torch.inference_mode()
     def commit(self, keys: list[int], verified: Verified, paths: list[list[int]]) -> None:

@@ -1,0 +1,143 @@
+"""Live A/B: switch allreduce backend and speculation on a running 2-rank server.
+
+Outputs must not change (greedy), no request may be lost, the profiler must account for the
+step time, and the harness must run end to end.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.server_proc import running_server
+
+COMMON = ("--dtype", "float32", "--allreduce", "gloo,shm", "--context-length", "512",
+          "--kv-cache-gb", "0.05", "--enable-profiling")
+PROMPTS = ["import ", "def ", "class ", "for i in", "x = ", "# a", "return", "if not"]
+LAYERS = 8  # the shipped demo target
+
+
+@pytest.fixture(scope="module")
+def plain(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    with running_server(2, *COMMON, cache=tmp_path_factory.mktemp("plain")) as (url, _):
+        yield url
+
+
+@pytest.fixture(scope="module")
+def spec(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    flags = (*COMMON, "--speculative-algorithm", "EAGLE3")
+    with running_server(2, *flags, cache=tmp_path_factory.mktemp("spec")) as (url, _):
+        yield url
+
+
+def admin(url: str, **body: object) -> dict:
+    r = httpx.post(url + "/admin/config", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def stream(url: str, prompt: str, n: int) -> list[int]:
+    body = {"text": prompt, "stream": True,
+            "sampling_params": {"max_new_tokens": n, "temperature": 0, "ignore_eos": True}}
+    last: dict = {}
+    with httpx.stream("POST", url + "/generate", json=body, timeout=300) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                last = json.loads(line[6:])
+    assert last["meta_info"]["finish_reason"]["type"] == "length"
+    return last["output_ids"]
+
+
+def run_while(url: str, n: int, switch: list[dict]) -> list[list[int]]:
+    """8 concurrent streams; apply each change in ``switch`` while they run."""
+    stop = threading.Event()
+
+    def flipper() -> None:
+        i = 0
+        while not stop.is_set():
+            admin(url, **switch[i % len(switch)])
+            i += 1
+            stop.wait(0.05)
+
+    with ThreadPoolExecutor(9) as pool:
+        futures = [pool.submit(stream, url, p, n) for p in PROMPTS]
+        flip = pool.submit(flipper) if switch else None
+        outs = [f.result() for f in futures]
+        stop.set()
+        if flip is not None:
+            flip.result()
+    return outs
+
+
+def test_backend_switch_live_keeps_outputs(plain: str) -> None:
+    admin(plain, allreduce="gloo")
+    reference = run_while(plain, 40, [])
+    switched = run_while(plain, 40, [{"allreduce": "shm"}, {"allreduce": "gloo"}])
+    assert switched == reference
+    info = httpx.get(plain + "/get_server_info", timeout=30).json()
+    stats = info["allreduce_stats"]
+    assert stats["shm"]["calls"] > 0 and stats["gloo"]["calls"] > 0
+    assert info["kv_pages_free"] == info["kv_pages_total"]
+
+
+def test_unknown_backend_and_bad_settings_are_400(plain: str) -> None:
+    r = httpx.post(plain + "/admin/config", json={"allreduce": "nccl"}, timeout=30)
+    assert r.status_code == 400 and "not initialised" in r.json()["error"]["message"]
+    r = httpx.post(plain + "/admin/config", json={"speculative": {"enabled": True}}, timeout=30)
+    assert r.status_code == 400 and "draft" in r.json()["error"]["message"]
+    r = httpx.post(plain + "/admin/config", json={"bogus": 1}, timeout=30)
+    assert r.status_code == 400
+
+
+def test_profiler_accounts_for_step_time_and_allreduces(plain: str) -> None:
+    admin(plain, allreduce="shm", reset_stats=True)
+    stream(plain, "import ", 32)
+    prof = httpx.get(plain + "/get_server_info", timeout=30).json()["profile"]
+    assert prof["steps"] >= 32
+    assert 0.9 <= prof["phase_coverage"] <= 1.1, prof
+    phases = prof["phases"]
+    assert {"schedule", "control", "decode", "sample", "output"} <= set(phases)
+    decode_steps = phases["decode"]["entries"]
+    calls = prof["allreduce"]["decode"]["calls"]
+    # two per layer, plus the vocab-parallel embedding and the LM head's gather
+    assert calls == decode_steps * (2 * LAYERS + 2), (calls, decode_steps)
+    metrics = httpx.get(plain + "/metrics", timeout=30).text
+    assert 'tpserve_phase_ms_per_step{phase="decode"}' in metrics
+
+
+def test_speculation_switch_live_keeps_outputs(spec: str) -> None:
+    admin(spec, speculative={"enabled": False})
+    reference = run_while(spec, 40, [])
+    changes = [{"speculative": {"enabled": True, "num_steps": 2, "num_draft_tokens": 3}},
+               {"speculative": {"enabled": False}},
+               {"speculative": {"enabled": True, "num_steps": 3, "num_draft_tokens": 4}},
+               {"allreduce": "shm"}, {"allreduce": "gloo"}]
+    assert run_while(spec, 40, changes) == reference
+    admin(spec, speculative={"enabled": True, "num_steps": 3, "num_draft_tokens": 4},
+          reset_stats=True)
+    assert run_while(spec, 40, []) == reference
+    info = httpx.get(spec + "/get_server_info", timeout=30).json()
+    assert info["active"]["speculative"]["enabled"] is True
+    assert info["engine"]["extra"]["spec"]["avg_accept_length"] > 1.5
+    coverage = info["profile"]["phase_coverage"]
+    assert 0.9 <= coverage <= 1.1, info["profile"]
+
+
+def test_harness_end_to_end(spec: str, tmp_path: Path) -> None:
+    from launch.ab import main
+
+    report = main(["--server-url", spec, "--backends", "gloo,shm", "--spec", "off,2/1/3",
+                   "--max-tokens", "16", "--runs", "1", "--warmup", "1",
+                   "--predict-steps", "1,4", "--out", str(tmp_path)])
+    assert len(report["rows"]) == 4
+    assert all(r["tok_s"] > 0 for r in report["rows"])
+    assert all("predicted_tok_s" in r for r in report["rows"])
+    assert {p["setting"].split()[1] for p in report["predicted"]} == {"spec=1/1/2", "spec=4/1/5"}
+    assert "Best setting" in report["verdict"]
+    assert (tmp_path / "ab.json").is_file() and (tmp_path / "ab.png").stat().st_size > 1000

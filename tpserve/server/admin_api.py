@@ -1,0 +1,113 @@
+"""Admin endpoints: live reconfiguration, statistics reset and profiler traces.
+
+``POST /admin/config`` switches the active allreduce backend and the speculative settings
+on every rank between two steps (no restart, in-flight requests continue under the new
+setting), toggles the step profiler, and can reset the statistics. ``POST /admin/profile``
+captures a ``torch.profiler`` trace of the next N engine steps on rank 0. Both sit behind
+the API key like every other non-health endpoint.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import tempfile
+import time
+from typing import Any
+
+from fastapi import FastAPI, Request
+from pydantic import BaseModel, ConfigDict, Field
+
+from tpserve.engine.admin import AdminError
+from tpserve.server.engine_client import BadRequest
+from tpserve.server.http import error, json_body, parse_body
+from tpserve.server.protocol import ErrorResponse
+from tpserve.server.state import ServerState
+
+
+class SpeculativeSettings(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    enabled: bool | None = None
+    num_steps: int | None = Field(None, ge=1, le=32)
+    eagle_topk: int | None = Field(None, ge=1, le=16)
+    num_draft_tokens: int | None = Field(None, ge=2, le=256)
+
+
+class AdminConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    allreduce: str | None = Field(None, description="backend initialised at launch")
+    speculative: SpeculativeSettings | None = None
+    profiling: bool | None = Field(None, description="per-phase step timing on/off")
+    reset_stats: bool = False
+
+
+class ActiveSettings(BaseModel):
+    allreduce: str | None
+    speculative: dict[str, Any] | None
+    profiling: bool
+
+
+class ProfileRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    steps: int = Field(10, ge=1, le=10000)
+    path: str | None = Field(None, description="trace file (default: a new temp file)")
+    wait: bool = Field(True, description="reply after the trace is written")
+
+
+class ProfileResponse(BaseModel):
+    path: str
+    done: bool
+
+
+ADMIN_BODIES = (AdminConfig, SpeculativeSettings, ProfileRequest)
+
+
+def _config_change(body: AdminConfig) -> dict[str, Any]:
+    change: dict[str, Any] = body.model_dump(exclude_none=True)
+    if body.speculative is not None:
+        change["speculative"] = body.speculative.model_dump(exclude_none=True)
+    return change
+
+
+def register_admin(app: FastAPI, state: ServerState) -> None:
+    errors: dict[int | str, dict[str, Any]] = {400: {"model": ErrorResponse}}
+
+    @app.post("/admin/config", response_model=ActiveSettings, responses=errors,
+              openapi_extra=json_body(AdminConfig))
+    async def admin_config(raw: Request) -> Any:
+        try:
+            body = await parse_body(raw, AdminConfig)
+        except BadRequest as exc:
+            return error(400, str(exc))
+        change = _config_change(body)
+        result = await state.client.call(lambda eng: eng.reconfigure(change))
+        if isinstance(result, AdminError):
+            return error(400, str(result))
+        if isinstance(result, Exception):
+            return error(500, f"reconfiguration failed: {result}")
+        return result
+
+    @app.post("/admin/profile", response_model=ProfileResponse, responses=errors,
+              openapi_extra=json_body(ProfileRequest))
+    async def admin_profile(raw: Request) -> Any:
+        try:
+            body = await parse_body(raw, ProfileRequest)
+        except BadRequest as exc:
+            return error(400, str(exc))
+        path = body.path or _trace_path()
+        capture = await state.client.call(lambda eng: eng.start_trace(body.steps, path))
+        if isinstance(capture, Exception):
+            return error(400, str(capture))
+        deadline = time.monotonic() + 600
+        while body.wait and not capture.done and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)  # steps only happen while requests are running
+        return {"path": path, "done": capture.done}
+
+
+def _trace_path() -> str:
+    fd, path = tempfile.mkstemp(prefix="tpserve-trace-", suffix=".json")
+    os.close(fd)
+    return path
