@@ -16,11 +16,11 @@ import time
 from typing import Any
 
 from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from tpserve.engine.admin import AdminError
-from tpserve.server.engine_client import BadRequest
-from tpserve.server.http import error, json_body, parse_body
+from tpserve.server.http import body_or_error, error, json_body
 from tpserve.server.protocol import ErrorResponse
 from tpserve.server.state import ServerState
 
@@ -78,10 +78,9 @@ def register_admin(app: FastAPI, state: ServerState) -> None:
     @app.post("/admin/config", response_model=ActiveSettings, responses=errors,
               openapi_extra=json_body(AdminConfig))
     async def admin_config(raw: Request) -> Any:
-        try:
-            body = await parse_body(raw, AdminConfig)
-        except BadRequest as exc:
-            return error(400, str(exc))
+        body = await body_or_error(raw, AdminConfig)
+        if isinstance(body, JSONResponse):
+            return body
         change = _config_change(body)
         result = await state.client.call(lambda eng: eng.reconfigure(change))
         if isinstance(result, AdminError):
@@ -93,10 +92,9 @@ def register_admin(app: FastAPI, state: ServerState) -> None:
     @app.post("/admin/profile", response_model=ProfileResponse, responses=errors,
               openapi_extra=json_body(ProfileRequest))
     async def admin_profile(raw: Request) -> Any:
-        try:
-            body = await parse_body(raw, ProfileRequest)
-        except BadRequest as exc:
-            return error(400, str(exc))
+        body = await body_or_error(raw, ProfileRequest)
+        if isinstance(body, JSONResponse):
+            return body
         path = body.path or _trace_path()
         capture = await state.client.call(lambda eng: eng.start_trace(body.steps, path))
         if isinstance(capture, Exception):

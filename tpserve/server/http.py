@@ -81,6 +81,14 @@ async def _stream(client: EngineClient, items: list[Item], batched: bool, logpro
     yield SSE_DONE
 
 
+async def body_or_error(raw: Request, model: type[T]) -> T | JSONResponse:
+    """``parse_body``, with a client error already turned into its 400 response."""
+    try:
+        return await parse_body(raw, model)
+    except BadRequest as exc:
+        return error(400, str(exc))
+
+
 async def parse_body(raw: Request, model: type[T]) -> T:
     """Parse a JSON body whatever the Content-Type (``curl -d`` sends a form type)."""
     data = await raw.body()
@@ -134,10 +142,9 @@ def create_app(state: ServerState) -> FastAPI:
     @app.post("/generate", responses={**responses, 503: {"model": ErrorResponse}},
               openapi_extra=json_body(GenerateRequest))
     async def generate(raw: Request) -> Any:
-        try:
-            body = await parse_body(raw, GenerateRequest)
-        except BadRequest as exc:
-            return error(400, str(exc))
+        body = await body_or_error(raw, GenerateRequest)
+        if isinstance(body, JSONResponse):
+            return body
         problem = state.unhealthy_reason()
         if problem:
             return error(503, problem, {"Retry-After": "1"})

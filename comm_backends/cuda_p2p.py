@@ -1,0 +1,226 @@
+"""The ``cuda_p2p`` backend: a custom one-/two-shot allreduce over CUDA-IPC-shared buffers.
+
+Owns the host side: allocating this rank's buffer (cudaMalloc, so its IPC handle covers exactly
+it), exchanging IPC handles over the process group, opening peers' buffers, compiling the
+kernels in ``cuda_p2p_kernels`` with cupy's NVRTC, staging inputs and launching on torch's
+current stream. cupy is imported only inside functions so this module loads anywhere.
+
+Inputs are always copied into the registered buffer first (one device copy), so no per-tensor
+registration is needed and CUDA-graph capture works: the copy and the kernel are both captured,
+and the kernels keep their call counters in device memory.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, replace
+from typing import Any, ClassVar
+
+import numpy
+import torch
+import torch.distributed as dist
+
+from comm_backends.base import AllReduce, BackendUnavailable
+from comm_backends.cuda_p2p_kernels import (
+    KERNELS,
+    MAX_BLOCKS,
+    MAX_RANKS,
+    SIGNAL_BYTES,
+    SOURCE,
+    THREADS,
+)
+
+_KIND = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
+_MiB = 1 << 20
+
+
+@dataclass(frozen=True)
+class CudaP2PConfig:
+    buffer_bytes: int = 8 * _MiB  # registered buffer per rank; larger messages go in chunks
+    # Not measured (written without a GPU): one-shot reads world x the data over NVLink, two-shot
+    # 2x, so two-shot should win from a few hundred KB. Tune with comm_backends.bench.
+    two_shot_bytes: int = 512 << 10
+
+    @classmethod
+    def from_env(cls) -> CudaP2PConfig:
+        cfg, env = cls(), os.environ
+        if "TPSERVE_CUDA_P2P_BUFFER_BYTES" in env:
+            cfg = replace(cfg, buffer_bytes=int(env["TPSERVE_CUDA_P2P_BUFFER_BYTES"]))
+        if "TPSERVE_CUDA_P2P_TWO_SHOT_BYTES" in env:
+            cfg = replace(cfg, two_shot_bytes=int(env["TPSERVE_CUDA_P2P_TWO_SHOT_BYTES"]))
+        return cfg
+
+
+def _peer_access_problem(devices: list[int]) -> str | None:
+    for i, a in enumerate(devices):
+        for b in devices[i + 1 :]:
+            if a != b and not (
+                torch.cuda.can_device_access_peer(a, b) and torch.cuda.can_device_access_peer(b, a)
+            ):
+                return f"allreduce backend 'cuda_p2p': P2P not available between GPU {a} and {b}"
+    return None
+
+
+class CudaP2PAllReduce(AllReduce):
+    """One-shot (small) / two-shot (large) allreduce kernel over NVLink/PCIe P2P."""
+
+    name: ClassVar[str] = "cuda_p2p"
+    devices: ClassVar[tuple[str, ...]] = ("cuda",)
+    capture_safe: ClassVar[bool] = True
+
+    @classmethod
+    def unavailable_reason(cls, device: torch.device, world_size: int) -> str | None:
+        if device.type != "cuda" or not torch.cuda.is_available():
+            return "allreduce backend 'cuda_p2p' needs CUDA"
+        try:
+            import cupy  # noqa: F401
+        except ImportError:
+            return "allreduce backend 'cuda_p2p' needs cupy: pip install tpserve[gpu]"
+        if world_size > MAX_RANKS:
+            return f"allreduce backend 'cuda_p2p' supports at most {MAX_RANKS} ranks, got {world_size}"
+        if torch.cuda.device_count() < world_size:
+            return (f"allreduce backend 'cuda_p2p' needs one visible GPU per rank on one host "
+                    f"({torch.cuda.device_count()} visible, {world_size} ranks)")
+        if torch.cuda.get_device_capability(device) < (7, 0):
+            return "allreduce backend 'cuda_p2p' needs compute capability 7.0+ (acquire/release)"
+        # The usual launch maps local rank i to GPU i; the real devices are checked again at setup.
+        return _peer_access_problem(list(range(world_size)))
+
+    def __init__(
+        self, group: dist.ProcessGroup | None, device: torch.device, config: CudaP2PConfig | None = None
+    ) -> None:
+        super().__init__(group, device)
+        self.config = config if config is not None else CudaP2PConfig.from_env()
+        if self.config.buffer_bytes % 16:
+            raise ValueError("cuda_p2p buffer_bytes must be a multiple of 16")
+        self._dev = device.index if device.index is not None else torch.cuda.current_device()
+        self._peers: list[int] = []  # IPC-opened peer base pointers, closed in close()
+        self._base = 0
+        self._streams: dict[int, Any] = {}
+        self._kernels: dict[str, Any] = {}
+        self._views: dict[torch.dtype, torch.Tensor] = {}
+        with torch.cuda.device(self._dev):
+            self._setup()
+
+    # ----------------------------------------------------------------- setup
+    def _setup(self) -> None:
+        import cupy
+
+        rt = cupy.cuda.runtime
+        self._base = rt.malloc(SIGNAL_BYTES + self.config.buffer_bytes)
+        rt.memset(self._base, 0, SIGNAL_BYTES)
+        rt.deviceSynchronize()
+        sms = torch.cuda.get_device_properties(self._dev).multi_processor_count
+        entries = self._exchange((self._dev, sms, rt.ipcGetMemHandle(self._base)))
+        problem = _peer_access_problem([dev for dev, _, _ in entries])
+        if problem is not None:
+            self.close()
+            raise BackendUnavailable(problem)
+        # Same grid on every rank (blocks meet their namesakes), and all of it resident at once
+        # so no block waits on a peer block that cannot be scheduled.
+        self._max_blocks = max(1, min(MAX_BLOCKS, *(n for _, n, _ in entries)))
+        bases = []
+        for rank, (_, _, handle) in enumerate(entries):
+            if rank == self.rank:
+                bases.append(self._base)
+            else:
+                self._peers.append(rt.ipcOpenMemHandle(handle))
+                bases.append(self._peers[-1])
+        zeros = [0] * (MAX_RANKS - self.world_size)
+        table = [b + SIGNAL_BYTES for b in bases] + zeros + bases + zeros
+        self._table = cupy.asarray(numpy.array(table, dtype=numpy.uint64))
+        self._compile()
+        mem = cupy.cuda.UnownedMemory(self._base + SIGNAL_BYTES, self.config.buffer_bytes, self, self._dev)
+        raw = cupy.ndarray((self.config.buffer_bytes,), cupy.uint8, cupy.cuda.MemoryPointer(mem, 0))
+        self._mine = torch.from_dlpack(raw)
+        rt.deviceSynchronize()
+        self._barrier()  # every flag area is zeroed before anyone's first kernel writes to it
+
+    def _exchange(self, mine: tuple[int, int, bytes]) -> list[tuple[int, int, bytes]]:
+        if self.world_size == 1:
+            return [mine]
+        entries: list[Any] = [None] * self.world_size
+        dist.all_gather_object(entries, mine, group=self.group)
+        return entries
+
+    def _barrier(self) -> None:
+        if self.world_size > 1:
+            dist.barrier(group=self.group)
+
+    def _compile(self) -> None:
+        import cupy
+
+        module = cupy.RawModule(code=SOURCE, options=("--std=c++14",), name_expressions=KERNELS)
+        # Load every kernel now: module loading must not happen inside graph capture.
+        self._kernels = {name: module.get_function(name) for name in KERNELS}
+
+    # ----------------------------------------------------------------- calls
+    def _stream(self) -> Any:
+        import cupy
+
+        handle = torch.cuda.current_stream(self._dev).cuda_stream
+        stream = self._streams.get(handle)
+        if stream is None:
+            stream = self._streams[handle] = cupy.cuda.ExternalStream(handle, self._dev)
+        return stream
+
+    def _staging(self, dtype: torch.dtype) -> torch.Tensor:
+        view = self._views.get(dtype)
+        if view is None:
+            view = self._views[dtype] = self._mine.view(dtype)
+        return view
+
+    def _all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
+        if tensor.dtype not in _KIND:
+            raise TypeError(f"cuda_p2p allreduce supports {tuple(_KIND)}, got {tensor.dtype}")
+        # Results are written straight into the caller's memory when it allows 16-byte stores.
+        direct = tensor.is_contiguous() and tensor.data_ptr() % 16 == 0
+        work = tensor if direct else torch.empty_like(tensor, memory_format=torch.contiguous_format)
+        if not direct:
+            work.copy_(tensor)
+        flat = work.view(-1)
+        staging = self._staging(tensor.dtype)
+        step = staging.numel()
+        two_shot = flat.numel() * flat.element_size() >= self.config.two_shot_bytes
+        with self._stream():
+            for start in range(0, flat.numel(), step):
+                chunk = flat[start : start + step]
+                staging[: chunk.numel()].copy_(chunk)
+                self._launch(chunk, two_shot)
+        if not direct:
+            tensor.copy_(work)
+        return tensor
+
+    def _launch(self, chunk: torch.Tensor, two_shot: bool) -> None:
+        n = chunk.numel()
+        per_thread = 16 // chunk.element_size()
+        packs = -(-n // per_thread)
+        if two_shot:
+            packs = -(-packs // self.world_size)
+        blocks = max(1, min(self._max_blocks, -(-packs // THREADS)))
+        kernel = self._kernels[f"{'two_shot' if two_shot else 'one_shot'}<{_KIND[chunk.dtype]}>"]
+        args = (self._table, numpy.uint64(chunk.data_ptr()), numpy.uint64(n),
+                numpy.int32(self.rank), numpy.int32(self.world_size))
+        kernel((blocks,), (THREADS,), args)
+
+    # ----------------------------------------------------------------- teardown
+    def close(self) -> None:
+        """Collective: peers unmap this rank's buffer before anyone frees their own."""
+        if not self._base:
+            return
+        import cupy
+
+        rt = cupy.cuda.runtime
+        with torch.cuda.device(self._dev):
+            torch.cuda.synchronize(self._dev)
+            for ptr in self._peers:
+                rt.ipcCloseMemHandle(ptr)
+            self._peers.clear()
+            self._views.clear()
+            self._mine = None
+            try:
+                self._barrier()
+            except Exception:  # the group is already gone: nobody can map us any more either
+                pass
+            rt.free(self._base)
+            self._base = 0

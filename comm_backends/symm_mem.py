@@ -1,0 +1,159 @@
+"""The ``symm_mem`` backend: allreduce through ``torch.distributed._symmetric_memory``.
+
+Owns one symmetric buffer per dtype (rendezvoused once at construction, so calls are
+capture-safe), staging inputs into it, and choosing between torch's one-shot, two-shot and
+NVLS-multicast (``multimem``) kernels. Every CUDA-only import happens inside functions so the
+module loads on CPU-only machines.
+
+torch's kernels sum in the input dtype and in the same rank order on every rank (one-shot), or
+let one owner reduce each slice (two-shot), so results are bit-identical across ranks.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from dataclasses import dataclass, replace
+from typing import ClassVar
+
+import torch
+import torch.distributed as dist
+
+from comm_backends.base import AllReduce
+
+_OPS = ("one_shot_all_reduce_out", "two_shot_all_reduce_", "multimem_one_shot_all_reduce_out",
+        "multimem_all_reduce_")
+_MiB = 1 << 20
+
+
+@dataclass(frozen=True)
+class SymmMemConfig:
+    buffer_bytes: int = 8 * _MiB  # per dtype; larger messages go in chunks of this size
+    # One-shot below this. Not measured here (no GPU on the machine this was written on); 256 KiB
+    # is where one-shot stops winning on 8x H100 NVLink in public reports. Tune with
+    # comm_backends.bench and TPSERVE_SYMM_MEM_TWO_SHOT_BYTES.
+    two_shot_bytes: int = 256 << 10
+    use_multimem: bool = True  # NVLS multicast kernels where the fabric supports them
+
+    @classmethod
+    def from_env(cls) -> SymmMemConfig:
+        cfg = cls()
+        env = os.environ
+        if "TPSERVE_SYMM_MEM_BUFFER_BYTES" in env:
+            cfg = replace(cfg, buffer_bytes=int(env["TPSERVE_SYMM_MEM_BUFFER_BYTES"]))
+        if "TPSERVE_SYMM_MEM_TWO_SHOT_BYTES" in env:
+            cfg = replace(cfg, two_shot_bytes=int(env["TPSERVE_SYMM_MEM_TWO_SHOT_BYTES"]))
+        if env.get("TPSERVE_SYMM_MEM_MULTIMEM") == "0":
+            cfg = replace(cfg, use_multimem=False)
+        return cfg
+
+
+def _missing_support() -> str | None:
+    try:
+        import torch.distributed._symmetric_memory as symm  # noqa: F401
+    except ImportError as exc:
+        return f"allreduce backend 'symm_mem' needs torch.distributed._symmetric_memory ({exc})"
+    ops = getattr(torch.ops, "symm_mem", None)
+    missing = [op for op in _OPS[:2] if ops is None or not hasattr(ops, op)]
+    if missing:
+        return f"allreduce backend 'symm_mem': this torch build lacks torch.ops.symm_mem.{missing[0]}"
+    return None
+
+
+class SymmMemAllReduce(AllReduce):
+    """Stage into a symmetric buffer, then one of torch's symmetric-memory allreduce kernels."""
+
+    name: ClassVar[str] = "symm_mem"
+    devices: ClassVar[tuple[str, ...]] = ("cuda",)
+    dtypes: ClassVar[tuple[torch.dtype, ...]] = (torch.float32, torch.bfloat16)  # torch's kernels
+    capture_safe: ClassVar[bool] = True
+
+    @classmethod
+    def unavailable_reason(cls, device: torch.device, world_size: int) -> str | None:
+        if device.type != "cuda" or not torch.cuda.is_available():
+            return "allreduce backend 'symm_mem' needs CUDA"
+        reason = _missing_support()
+        if reason is not None:
+            return reason
+        if torch.cuda.get_device_capability(device) < (8, 0):
+            return "allreduce backend 'symm_mem' needs compute capability 8.0 or newer"
+        return None
+
+    def __init__(
+        self, group: dist.ProcessGroup | None, device: torch.device, config: SymmMemConfig | None = None
+    ) -> None:
+        super().__init__(group, device)
+        self.config = config if config is not None else SymmMemConfig.from_env()
+        self._bufs: dict[torch.dtype, torch.Tensor] = {}
+        self._scratch: dict[torch.dtype, torch.Tensor] = {}
+        self._multimem = False
+        self._group_name = ""
+        if dist.is_initialized():  # also at world 1, so a one-GPU machine can exercise the kernels
+            self._setup()
+
+    def _setup(self) -> None:
+        import torch.distributed._symmetric_memory as symm
+
+        group = self.group if self.group is not None else dist.group.WORLD
+        self._group_name = group.group_name
+        enabled = getattr(symm, "is_symm_mem_enabled_for_group", None)
+        if enabled is not None and not enabled(self._group_name):
+            with warnings.catch_warnings():  # needed before torch 2.8, a deprecated no-op after
+                warnings.simplefilter("ignore", FutureWarning)
+                symm.enable_symm_mem_for_group(self._group_name)
+        multicast = True
+        for dtype in self.dtypes:
+            numel = self.config.buffer_bytes // dtype.itemsize
+            buf = symm.empty(numel, dtype=dtype, device=self.device)
+            handle = symm.rendezvous(buf, self._group_name)  # collective, once: capture-safe
+            self._bufs[dtype] = buf
+            self._scratch[dtype] = torch.empty(numel, dtype=dtype, device=self.device)
+            support = getattr(handle, "has_multicast_support", False)
+            multicast &= bool(support() if callable(support) else support)
+        ops = torch.ops.symm_mem
+        self._multimem = (
+            self.config.use_multimem and multicast and all(hasattr(ops, op) for op in _OPS[2:])
+        )
+
+    def _all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
+        if tensor.dtype not in self._bufs:
+            raise TypeError(f"symm_mem allreduce supports {self.dtypes}, got {tensor.dtype}")
+        work = tensor if tensor.is_contiguous() else tensor.contiguous()
+        flat = work.view(-1)
+        step = self._bufs[tensor.dtype].numel()
+        two_shot = flat.numel() * flat.element_size() >= self.config.two_shot_bytes
+        for start in range(0, flat.numel(), step):
+            self._reduce_chunk(flat[start : start + step], two_shot)
+        if work is not tensor:
+            tensor.copy_(work)
+        return tensor
+
+    def _reduce_chunk(self, chunk: torch.Tensor, two_shot: bool) -> None:
+        ops, name = torch.ops.symm_mem, self._group_name
+        n = chunk.numel()
+        # torch's kernels need 4-byte-aligned sizes and vectorise at 16: pad the staged length;
+        # the padding sums stale bytes that are never copied out.
+        pad = 16 // chunk.element_size()
+        m = -(-n // pad) * pad
+        staged = self._bufs[chunk.dtype][:m]
+        staged[:n].copy_(chunk)
+        if two_shot:
+            if self._multimem:
+                ops.multimem_all_reduce_(staged, "sum", name)
+            else:
+                ops.two_shot_all_reduce_(staged, "sum", name)
+            chunk.copy_(staged[:n])
+            return
+        direct = m == n and chunk.data_ptr() % 16 == 0
+        out = chunk if direct else self._scratch[chunk.dtype][:m]
+        if self._multimem:
+            ops.multimem_one_shot_all_reduce_out(staged, "sum", name, out)
+        else:
+            ops.one_shot_all_reduce_out(staged, "sum", name, out)
+        if not direct:
+            chunk.copy_(out[:n])
+
+    def close(self) -> None:
+        self._bufs.clear()
+        self._scratch.clear()
+
