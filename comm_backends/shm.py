@@ -46,6 +46,7 @@ from comm_backends.shm_segment import SHM_DIR
 _MiB = 1 << 20
 _PAGE = 4096
 _MAX_CACHED_VIEWS = 512
+_NEVER = 1 << 62
 # Rows at least this long are reduced with an explicit fp32 loop (see ShmAllReduce._reduce).
 # Measured, bf16 rows in shm, us: 4 ranks 32K 106 vs 161 (torch.sum), 256K 824 vs 1109;
 # 8 ranks 4K 75 vs 23, 32K 164 vs 149, 256K 1433 vs 2380.
@@ -55,20 +56,23 @@ _LOOP_MIN_NUMEL = 32768
 def default_two_shot_bytes(world: int) -> int:
     """Smallest message that uses two-shot, by world size.
 
-    Measured with ``comm_backends.bench --pin`` on a 2-vCPU Xeon VM (AVX-512), bf16, one-shot
-    forced vs two-shot forced, best of 3 runs of slowest-rank medians (us):
+    Measured with ``comm_backends.bench --pin`` on a 2-vCPU Xeon VM (AVX-512) shared with other
+    jobs, bf16, one-shot forced vs two-shot forced, best of 2-3 runs of slowest-rank medians, us:
 
-        2 ranks   64K: 42 vs 55   128K: 52 vs 63   256K: 92 vs 97   512K: 191 vs 187
-                  1M: 419 vs 441 (a tie from 256K; at 4M two-shot won 1.8 vs 5.6 ms)
-        4 ranks    8K: 99 vs 141   16K: 135 vs 146   32K: 207 vs 170   64K: 335 vs 161
-        8 ranks    8K: 290 vs 406  16K: 486 vs 403   32K: 537 vs 439   64K: 1293 vs 524
+        2 ranks  128K: 68 vs 69   512K: 186 vs 225   1M: 402 vs 390   2M: 781 vs 909
+                   4M: 1958 vs 2530   8M: 4302 vs 7649            -> one-shot at every size
+        4 ranks    8K: 138 vs 174   16K: 172 vs 196   32K: 243 vs 264 (medians 299 vs 275)
+                  64K: 364 vs 210  128K: 783 vs 326               -> two-shot from 32K
+        8 ranks    4K: 347 vs 536    8K: 578 vs 545   16K: 692 vs 525   64K: 1767 vs 697
+                                                                  -> two-shot from 16K
 
-    4 and 8 ranks share 2 cores there, which favours two-shot (less total work); with a core
-    per rank the crossover moves up. Re-measure on the target host and set
-    TPSERVE_SHM_TWO_SHOT_BYTES (or ShmConfig.two_shot_bytes) if it differs.
+    With two ranks two-shot moves more bytes (its all-gather) to save half of a cheap add, and
+    pays a second flag round trip. 4 and 8 ranks shared 2 cores there, which favours two-shot
+    (less total work); with a core per rank the crossover moves up. Re-measure on the target
+    host and set TPSERVE_SHM_TWO_SHOT_BYTES (or ShmConfig.two_shot_bytes) if it differs.
     """
     if world <= 2:
-        return 512 << 10
+        return _NEVER
     return 32 << 10 if world <= 4 else 16 << 10
 
 
@@ -186,7 +190,9 @@ class ShmAllReduce(AllReduce):
 
         def build() -> tuple[torch.Tensor, ...]:
             world, base, hstride = self.world_size, self._base(dtype), self._half // dtype.itemsize
-            seg = self._segment_elems(dtype, n)
+            align = 64 // dtype.itemsize  # whole cache lines per segment: owners never share one
+            per_rank = -(-n // world)
+            seg = -(-per_rank // align) * align
             half_out, lo = 1 - half_in, self.rank * seg
             mine = base.as_strided((n,), (1,), (2 * self.rank + half_in) * hstride)
             stack = base.as_strided((world, seg), (2 * hstride, 1), half_in * hstride + lo)
@@ -199,12 +205,6 @@ class ShmAllReduce(AllReduce):
             return (mine, *operands, out_seg, diag[:full], tail)
 
         return self._cache(("two", dtype, n, half_in), build)
-
-    def _segment_elems(self, dtype: torch.dtype, n: int) -> int:
-        # Whole cache lines per segment so owners never write the same line.
-        align = 64 // dtype.itemsize
-        per_rank = -(-n // self.world_size)
-        return -(-per_rank // align) * align
 
     # ----------------------------------------------------------------- algorithm
     def _all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
@@ -298,6 +298,7 @@ class ShmAllReduce(AllReduce):
         self._board, self._mapping = None, None
         self._views.clear()
         self._bases.clear()
+        self._acc = None
         if board is not None:
             board.set_status(STATUS_CLOSED)
             board.release()

@@ -11,6 +11,7 @@ import hashlib
 import multiprocessing as mp
 import os
 import signal
+import subprocess
 import time
 import traceback
 from collections.abc import Callable
@@ -286,9 +287,8 @@ def test_segment_file_is_private_and_stale_ones_are_swept(tmp_path: Path) -> Non
     assert path.stat().st_mode & 0o777 == 0o600 and path.stat().st_size == 8192
     with pytest.raises(FileExistsError):
         create_segment_file(str(path), 8192)  # O_EXCL: never adopt someone else's file
-    dead = mp.get_context("fork").Process(target=os._exit, args=(0,))
-    dead.start()
-    dead.join()
+    dead = subprocess.Popen(["true"])
+    dead.wait()  # reaped: its pid names no process now
     stale = tmp_path / f"{NAME_PREFIX}{dead.pid}_gone"
     stale.touch()
     old = time.time() - 3600
