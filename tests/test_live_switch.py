@@ -141,3 +141,16 @@ def test_harness_end_to_end(spec: str, tmp_path: Path) -> None:
     assert {p["setting"].split()[1] for p in report["predicted"]} == {"spec=1/1/2", "spec=4/1/5"}
     assert "Best setting" in report["verdict"]
     assert (tmp_path / "ab.json").is_file() and (tmp_path / "ab.png").stat().st_size > 1000
+
+
+def test_profile_trace_written(plain: str) -> None:
+    with ThreadPoolExecutor(2) as pool:
+        trace = pool.submit(httpx.post, plain + "/admin/profile",
+                            json={"steps": 3, "name": "t.json", "wait_s": 60}, timeout=90)
+        stream(plain, "import ", 16)
+        body = trace.result().json()
+    assert body["done"] is True and body["path"].endswith("t.json")
+    events = json.loads(Path(body["path"]).read_text())["traceEvents"]
+    assert any("aten::" in str(e.get("name", "")) for e in events)
+    bad = httpx.post(plain + "/admin/profile", json={"name": "../escape"}, timeout=30)
+    assert bad.status_code == 400

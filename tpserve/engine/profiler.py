@@ -117,6 +117,7 @@ class TraceCapture:
     path: str
     profiler: Any
     done: bool = False
+    error: str | None = None
 
     @classmethod
     def start(cls, steps: int, path: str) -> TraceCapture:
@@ -136,7 +137,10 @@ class TraceCapture:
         self.steps_left -= 1
         if self.steps_left > 0:
             return False
-        self.profiler.__exit__(None, None, None)
-        self.profiler.export_chrome_trace(self.path)
+        try:
+            self.profiler.__exit__(None, None, None)
+            self.profiler.export_chrome_trace(self.path)
+        except Exception as exc:  # a failed trace must never take the engine down
+            self.error = str(exc)
         self.done = True
         return True

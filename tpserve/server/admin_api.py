@@ -53,8 +53,11 @@ class ProfileRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     steps: int = Field(10, ge=1, le=10000)
-    path: str | None = Field(None, description="trace file (default: a new temp file)")
-    wait: bool = Field(True, description="reply after the trace is written")
+    name: str | None = Field(None, pattern=r"^[A-Za-z0-9._-]{1,100}$",
+                             description="trace file name inside the trace directory "
+                                         "($TPSERVE_TRACE_DIR, default <tmp>/tpserve-traces)")
+    wait_s: float = Field(0.0, ge=0.0, le=120.0,
+                          description="wait up to this long for the trace to be written")
 
 
 class ProfileResponse(BaseModel):
@@ -95,17 +98,19 @@ def register_admin(app: FastAPI, state: ServerState) -> None:
         body = await body_or_error(raw, ProfileRequest)
         if isinstance(body, JSONResponse):
             return body
-        path = body.path or _trace_path()
+        path = _trace_path(body.name)
         capture = await state.client.call(lambda eng: eng.start_trace(body.steps, path))
         if isinstance(capture, Exception):
             return error(400, str(capture))
-        deadline = time.monotonic() + 600
-        while body.wait and not capture.done and time.monotonic() < deadline:
+        deadline = time.monotonic() + body.wait_s
+        while not capture.done and time.monotonic() < deadline:
             await asyncio.sleep(0.05)  # steps only happen while requests are running
         return {"path": path, "done": capture.done}
 
 
-def _trace_path() -> str:
-    fd, path = tempfile.mkstemp(prefix="tpserve-trace-", suffix=".json")
-    os.close(fd)
-    return path
+def _trace_path(name: str | None) -> str:
+    """Traces only ever land in one directory: the API never writes to a client-chosen path."""
+    root = os.environ.get("TPSERVE_TRACE_DIR") or os.path.join(tempfile.gettempdir(),
+                                                                "tpserve-traces")
+    os.makedirs(root, mode=0o700, exist_ok=True)
+    return os.path.join(root, name or f"trace-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}.json")
