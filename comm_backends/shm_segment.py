@@ -101,7 +101,7 @@ def create_segment_file(path: str, size: int) -> None:
         except OSError as exc:
             if exc.errno in (errno.ENOSPC, errno.ENOMEM):
                 raise RuntimeError(
-                    f"shm allreduce: cannot reserve {size >> 20} MiB in {SHM_DIR} ({exc.strerror}); "
+                    f"shared memory: cannot reserve {size >> 20} MiB in {SHM_DIR} ({exc.strerror}); "
                     "enlarge it (docker --shm-size) or lower TPSERVE_SHM_BUFFER_BYTES"
                 ) from exc
             if exc.errno not in (errno.EINVAL, errno.EOPNOTSUPP):
@@ -118,7 +118,7 @@ def map_segment_file(path: str, size: int) -> mmap.mmap:
     try:
         actual = os.fstat(fd).st_size
         if actual != size:
-            raise RuntimeError(f"shm allreduce: segment {path} has {actual} bytes, expected {size}")
+            raise RuntimeError(f"shared memory: segment {path} has {actual} bytes, expected {size}")
         return mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
     finally:
         os.close(fd)  # the mapping keeps the memory alive on its own

@@ -13,7 +13,6 @@ spin briefly, then back off to short sleeps so an idle server does not burn the 
 
 from __future__ import annotations
 
-import mmap
 import os
 import pickle
 import secrets
@@ -23,6 +22,14 @@ from typing import Any
 
 import numpy as np
 import torch.distributed as dist
+
+from comm_backends.shm_segment import (
+    SHM_DIR,
+    ProcId,
+    create_segment_file,
+    map_segment_file,
+    proc_alive,
+)
 
 HEADER_WORDS = 2
 
@@ -39,18 +46,6 @@ class ChannelConfig:
     timeout_s: float | None = None  # None: wait forever, but still notice a dead peer
 
 
-def _open_shared(name: str, size: int, create: bool) -> mmap.mmap:
-    path = f"/dev/shm/{name}"
-    flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
-    fd = os.open(path, flags, 0o600)
-    try:
-        if create:
-            os.ftruncate(fd, size)
-        return mmap.mmap(fd, size)
-    finally:
-        os.close(fd)
-
-
 class ControlChannel:
     """Broadcast from rank 0 to all ranks of the (gloo) ``group`` over shared memory."""
 
@@ -59,21 +54,22 @@ class ControlChannel:
         self.rank = dist.get_rank(group)
         self.world = dist.get_world_size(group)
         size = 8 * (HEADER_WORDS + self.world) + cfg.capacity
-        meta: list[Any] = [f"tpserve-ctl-{os.getpid()}-{secrets.token_hex(8)}", os.getpid()]
+        meta: list[Any] = [f"tpserve-ctl-{os.getpid()}-{secrets.token_hex(8)}"]
         dist.broadcast_object_list(meta, src=dist.get_global_rank(group, 0) if group else 0, group=group)
-        name, self.leader_pid = meta
+        name = meta[0]
+        path = f"{SHM_DIR}/{name}"
         if self.rank == 0:
-            self._mm = _open_shared(name, size, create=True)
+            create_segment_file(path, size)
         dist.barrier(group=group)
-        if self.rank != 0:
-            self._mm = _open_shared(name, size, create=False)
+        self._mm = map_segment_file(path, size)
         dist.barrier(group=group)
         if self.rank == 0:
             # Unlinked as soon as everyone is attached: nothing can leak, even on SIGKILL.
-            os.unlink(f"/dev/shm/{name}")
-        pids: list[Any] = [None] * self.world
-        dist.all_gather_object(pids, os.getpid(), group=group)
-        self.peer_pids = pids
+            os.unlink(path)
+        procs: list[Any] = [None] * self.world
+        dist.all_gather_object(procs, ProcId.current(), group=group)
+        self.peers: list[ProcId] = procs
+        self.peer_pids = [p.pid for p in procs]
         words = np.frombuffer(self._mm, dtype=np.int64, count=HEADER_WORDS + self.world)
         self._seq, self._acks = words[0:1], words[HEADER_WORDS:]
         self._nbytes = words[1:2]
@@ -100,11 +96,11 @@ class ControlChannel:
         return obj
 
     def _leader_dead(self) -> str | None:
-        return None if _alive(self.leader_pid) else "rank 0"
+        return None if proc_alive(self.peers[0]) else "rank 0"
 
     def _first_dead_follower(self) -> str | None:
-        for rank, pid in enumerate(self.peer_pids[1:], start=1):
-            if not _alive(pid):
+        for rank, proc in enumerate(self.peers[1:], start=1):
+            if not proc_alive(proc):
                 return f"rank {rank}"
         return None
 
@@ -131,21 +127,6 @@ class ControlChannel:
         if mm is not None:
             del self._seq, self._acks, self._nbytes
             mm.close()
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    # A zombie (exited, not yet reaped) still answers kill(0); check its state.
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split(")")[-1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 class GlooChannel:

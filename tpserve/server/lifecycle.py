@@ -27,7 +27,8 @@ from typing import Any
 
 import uvicorn
 
-from tpserve.control import PeerGone, _alive
+from comm_backends.shm_segment import ProcId, proc_alive, proc_start_time
+from tpserve.control import PeerGone
 
 log = logging.getLogger("tpserve")
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
@@ -79,13 +80,15 @@ class Watchdog(threading.Thread):
                  on_failure: Callable[[str], None], interval_s: float = 1.0) -> None:
         super().__init__(name="tpserve-watchdog", daemon=True)
         self.engine, self.engine_thread = engine, engine_thread
-        self.peer_pids, self.on_failure, self.interval_s = peer_pids, on_failure, interval_s
+        # Start times are read now, so a pid the kernel reuses later is not mistaken for ours.
+        self.peers = [ProcId(pid, proc_start_time(pid)) for pid in peer_pids]
+        self.on_failure, self.interval_s = on_failure, interval_s
         self.done = threading.Event()
 
     def problem(self) -> str | None:
-        for rank, pid in enumerate(self.peer_pids[1:], start=1):
-            if not _alive(pid):
-                return f"rank {rank} (pid {pid}) exited"
+        for rank, proc in enumerate(self.peers[1:], start=1):
+            if not proc_alive(proc):
+                return f"rank {rank} (pid {proc.pid}) exited"
         if self.engine.error is not None:
             return f"engine failed: {self.engine.error}"
         if not self.engine_thread.is_alive() and not self.engine.stopping.is_set():
