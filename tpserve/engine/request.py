@@ -63,13 +63,12 @@ class Request:
     def finished(self) -> bool:
         return self.finish_reason is not None
 
-    def token_at(self, index: int) -> int:
-        n = len(self.prompt_ids)
-        return self.prompt_ids[index] if index < n else self.output_ids[index - n]
-
     def tokens(self, start: int, end: int) -> list[int]:
-        full = self.prompt_ids + self.output_ids if end > len(self.prompt_ids) else self.prompt_ids
-        return full[start:end]
+        """Tokens [start, end) of prompt + output, without building the whole sequence: a
+        decode step asks for one token, and this runs for every request on every step."""
+        n = len(self.prompt_ids)
+        head = self.prompt_ids[start:min(end, n)]
+        return head + self.output_ids[max(start - n, 0):max(end - n, 0)] if end > n else head
 
     def meta(self) -> dict[str, Any]:
         now = time.perf_counter()
