@@ -6,7 +6,7 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -17,8 +17,10 @@ from tests.harness import free_port
 
 @contextmanager
 def running_server(ranks: int, *flags: str, cache: Path, env: dict[str, str] | None = None,
-                   timeout: float = 180, launcher_flags: tuple[str, ...] = ()
+                   timeout: float = 180, launcher_flags: tuple[str, ...] = (),
+                   while_starting: Callable[[str, Path], None] | None = None,
                    ) -> Iterator[tuple[str, subprocess.Popen]]:
+    """A live server; ``while_starting(url, log)`` runs right after launch, before it is ready."""
     port = free_port()
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks),
            "--master-port", str(free_port()), *launcher_flags, "-m", "tpserve",
@@ -29,6 +31,8 @@ def running_server(ranks: int, *flags: str, cache: Path, env: dict[str, str] | N
                             start_new_session=True)
     url = f"http://127.0.0.1:{port}"
     try:
+        if while_starting is not None:
+            while_starting(url, cache / f"server-{port}.log")
         wait_healthy(url, proc, timeout, cache / f"server-{port}.log")
         yield url, proc
     finally:

@@ -55,6 +55,32 @@ def wait_exit(proc: subprocess.Popen, timeout: float) -> tuple[int, float]:
     return code, time.monotonic() - start
 
 
+def probe_while_starting(url: str, log: Path, seen: dict) -> None:
+    """As soon as rank 0 says it listens, /health must answer: 503 "starting", or 200 if ready."""
+    deadline = time.monotonic() + 120
+    while "listening on" not in (log.read_text() if log.exists() else ""):
+        assert time.monotonic() < deadline, "rank 0 never started listening"
+        time.sleep(0.02)
+    reply = httpx.get(url + "/health", timeout=10)
+    seen.update(status=reply.status_code, body=reply.text, log=log.read_text())
+
+
+def test_health_answers_503_while_loading_and_logs_each_phase(tmp_path: Path) -> None:
+    seen: dict = {}
+    probe = lambda url, log: probe_while_starting(url, log, seen)  # noqa: E731
+    with running_server(2, *FLAGS, cache=tmp_path, while_starting=probe) as (url, _):
+        assert httpx.get(url + "/health", timeout=10).status_code == 200
+        log = log_of(tmp_path, url)
+    if seen["status"] == 200:  # the whole start-up fit between the log line and the request
+        assert "after launch: serving" in seen["log"]
+    else:
+        assert seen["status"] == 503 and "server is starting (" in seen["body"], seen
+    rank0 = [line for line in log.splitlines() if "rank0]" in line]
+    order = [next(i for i, line in enumerate(rank0) if needle in line)
+             for needle in ("listening on", "loading weights", "allocating KV cache done in", "after launch")]
+    assert order == sorted(order), rank0
+
+
 def test_sigterm_to_rank0_finishes_in_flight_and_exits_0(tmp_path: Path) -> None:
     before = shm_names()
     with running_server(2, *FLAGS, cache=tmp_path) as (url, proc):

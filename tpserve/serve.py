@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import threading
 import time
+from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,16 +42,25 @@ from tpserve.loader import resolve_dtype
 from tpserve.models.config import ModelConfig, load_config
 from tpserve.models.registry import build_model
 from tpserve.server.lifecycle import finish_leader, run_follower
+from tpserve.server.startup_http import StartupResponder, bind_listener
 from tpserve.spec.config import spec_config_from_args
 from tpserve.spec.setup import build_spec
 
 log = logging.getLogger("tpserve")
 
 
+PhaseHook = Callable[[str], None]
+
+
+def _no_hook(_: str) -> None:
+    return None
+
+
 @contextmanager
-def phase(name: str):  # type: ignore[no-untyped-def]
+def phase(name: str, on_phase: PhaseHook = _no_hook):  # type: ignore[no-untyped-def]
     start = time.perf_counter()
     log.info("%s ...", name)
+    on_phase(name)
     yield
     log.info("%s done in %.2fs", name, time.perf_counter() - start)
 
@@ -101,7 +112,7 @@ def make_kv(args: ServerArgs, cfg: ModelConfig, model: Any, info: RankInfo,
     return KVCache(kv_cfg, info.device)
 
 
-def setup_rank(args: ServerArgs) -> RankSetup:
+def setup_rank(args: ServerArgs, on_phase: PhaseHook = _no_hook) -> RankSetup:
     info = rank_info(args.device)
     if info.device.type == "cpu":
         torch.set_num_threads(cpu_threads_per_rank(info.local_world_size, args.cpu_threads))
@@ -110,16 +121,16 @@ def setup_rank(args: ServerArgs) -> RankSetup:
         comm = create_comm(args.allreduce, info)
     except (BackendUnavailable, ValueError) as exc:
         raise SystemExit(f"error: {exc}") from None
-    with phase("resolving model"):
+    with phase("resolving model", on_phase):
         model_dir = Path(args.model) if args.model else demo_target()
         cfg = load_config(model_dir)
     context_length = min(args.context_length or cfg.max_position, cfg.max_position)
     dtype = resolve_dtype(args.dtype, cfg.torch_dtype, info.device)
     tp = TPContext(info.rank, info.world_size, comm)
-    with phase(f"loading weights ({dtype})"):
+    with phase(f"loading weights ({dtype})", on_phase):
         # Rotary tables reach past the context so speculative tree positions stay in range.
         model = build_model(model_dir, tp, dtype, info.device, context_length + 64, cfg)
-    with phase("allocating KV cache"):
+    with phase("allocating KV cache", on_phase):
         kv = make_kv(args, cfg, model, info, dtype, context_length)
     runner = ModelRunner(model, kv, info.device, comm)
     return RankSetup(info, cfg, model_dir, comm, runner, context_length, dtype)
@@ -141,15 +152,29 @@ def load_tokenizer(path: Path) -> Tokenizer:
     return Tokenizer.from_file(str(file))
 
 
+def start_responder(args: ServerArgs) -> StartupResponder | None:
+    """Rank 0 listens from the first second (503 until ready); other ranks serve no HTTP."""
+    if os.environ.get("RANK", "0") != "0":
+        return None
+    responder = StartupResponder(bind_listener(args.host, args.port)).start()
+    log.info("listening on http://%s:%d (503 until ready)", args.host, args.port)
+    return responder
+
+
 def run(args: ServerArgs) -> int:
     args = with_demo_defaults(args)
     spec_cfg = spec_config_from_args(args)  # bad speculative flags fail before loading
-    setup = setup_rank(args)
+    responder = start_responder(args)
+    on_phase = responder.set_phase if responder is not None else _no_hook
+    on_phase("joining the process group")
+    setup = setup_rank(args, on_phase)
     spec = None
     if spec_cfg is not None:
+        on_phase("loading the draft model")
         spec = build_spec(spec_cfg, str(args.speculative_draft_model_path), setup.runner,
                           TPContext(setup.info.rank, setup.info.world_size, setup.comm),
                           setup.dtype, setup.context_length + 64)
+    on_phase("warming up / capturing")
     install_static(args, setup.runner, spec, setup.info.world_size, setup.context_length)
     channel = make_channel(None) if setup.info.world_size > 1 else None
     if setup.info.rank != 0:
@@ -167,5 +192,7 @@ def run(args: ServerArgs) -> int:
     thread = threading.Thread(target=engine.run, name="tpserve-engine", daemon=True)
     thread.start()
     tokenizer = load_tokenizer(Path(args.tokenizer) if args.tokenizer else setup.model_dir)
-    code = serve_http(args, setup, engine, tokenizer, eos_ids(setup.model_dir, setup.cfg), thread)
+    assert responder is not None  # rank 0 always has one
+    code = serve_http(args, setup, engine, tokenizer, eos_ids(setup.model_dir, setup.cfg), thread,
+                      responder)
     return finish_leader(engine, thread, code, channel, setup.comm)

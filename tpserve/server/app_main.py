@@ -30,6 +30,7 @@ from tpserve.server.metrics import ServerMetrics
 from tpserve.server.openai_api import OPENAI_BODIES, register_openai
 from tpserve.server.openapi_util import finish_schema
 from tpserve.server.protocol import ErrorResponse, GenerateRequest
+from tpserve.server.startup_http import StartupResponder
 from tpserve.server.state import ServerState
 
 log = logging.getLogger("tpserve")
@@ -82,8 +83,13 @@ def make_state(args: ServerArgs, setup: Any, engine: Engine, tokenizer: Tokenize
 
 
 def serve_http(args: ServerArgs, setup: Any, engine: Engine, tokenizer: Tokenizer,
-               eos: frozenset[int], engine_thread: Any = None) -> int:
-    """Serve until stopped; 0 after a graceful stop, 1 after a failure."""
+               eos: frozenset[int], engine_thread: Any = None,
+               responder: StartupResponder | None = None) -> int:
+    """Serve until stopped; 0 after a graceful stop, 1 after a failure.
+
+    With a ``responder`` (it has answered 503 on the listening socket during start-up), the
+    real app takes over that same socket; without one uvicorn binds ``--host``/``--port``.
+    """
     state = make_state(args, setup, engine, tokenizer, eos)
     metrics = ServerMetrics()
     state.client.observer = metrics
@@ -104,9 +110,10 @@ def serve_http(args: ServerArgs, setup: Any, engine: Engine, tokenizer: Tokenize
         watchdog = Watchdog(engine, engine_thread, state.static_info["rank_pids"], on_failure)
         watchdog.start()
     state.ready = True
+    sockets = [responder.stop()] if responder is not None else None
     log.info("ready %.1fs after launch: serving on http://%s:%d", seconds_since_start(),
              args.host, args.port)
-    server.run()
+    server.run(sockets=sockets)
     if watchdog is not None:
         watchdog.done.set()
         # A follower that died during shutdown must still make this rank's exit non-zero.

@@ -1,0 +1,84 @@
+"""Answer HTTP while the model loads: every path gets 503 "starting", ``/health`` included.
+
+Rank 0 binds the listening socket *before* loading weights, so a port clash fails in
+milliseconds instead of after a long load, and load balancers and ``/health`` pollers see a
+503 with the current start-up phase rather than "connection refused". When the engine is
+ready the real server takes over the same socket: a duplicate of it was lent to this
+responder, so closing the responder's copy leaves the listening socket open and connections
+that arrive during the hand-over wait in the kernel's backlog instead of being refused.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import socket
+import threading
+from typing import Any
+
+import uvicorn
+
+log = logging.getLogger("tpserve")
+RETRY_AFTER_S = 5
+
+
+def bind_listener(host: str, port: int) -> socket.socket:
+    """The server's listening socket (what uvicorn would bind), created up front."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise SystemExit(f"error: cannot listen on {host}:{port}: {exc.strerror}") from None
+    sock.listen(2048)
+    sock.set_inheritable(True)
+    return sock
+
+
+class StartingApp:
+    """ASGI app: 503 + Retry-After for every HTTP request, naming the start-up phase."""
+
+    def __init__(self) -> None:
+        self.phase = "initialising"  # written by the loading thread, read per request
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return  # lifespan is off; nothing else is served
+        body = json.dumps({"error": {"message": f"server is starting ({self.phase})",
+                                     "type": "unavailable", "code": 503}}).encode()
+        await send({"type": "http.response.start", "status": 503,
+                    "headers": [(b"content-type", b"application/json"),
+                                (b"retry-after", str(RETRY_AFTER_S).encode()),
+                                (b"content-length", str(len(body)).encode())]})
+        await send({"type": "http.response.body", "body": body})
+
+
+class StartupResponder:
+    """Serves ``StartingApp`` on a duplicate of ``listener`` from a daemon thread until ``stop``."""
+
+    def __init__(self, listener: socket.socket, log_level: str = "warning") -> None:
+        self.listener = listener
+        self.app = StartingApp()
+        config = uvicorn.Config(self.app, lifespan="off", log_level=log_level, access_log=False)
+        self._server = uvicorn.Server(config)
+        self._lent = listener.dup()
+        self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [self._lent]},
+                                        name="tpserve-startup-http", daemon=True)
+
+    def start(self) -> StartupResponder:
+        self._thread.start()
+        return self
+
+    def set_phase(self, phase: str) -> None:
+        self.app.phase = phase
+
+    def stop(self, timeout_s: float = 10.0) -> socket.socket:
+        """Stop answering; returns the still-open listener for the real server."""
+        self._server.should_exit = True
+        self._thread.join(timeout_s)
+        if self._thread.is_alive():
+            log.warning("start-up responder did not stop within %.0fs", timeout_s)
+        self._lent.close()
+        return self.listener
