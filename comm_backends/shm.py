@@ -40,6 +40,8 @@ from comm_backends.shm_flags import (
     FlagBoard,
     header_bytes,
 )
+from comm_backends.shm_native import NativeReduce
+from comm_backends.shm_native import load as load_native
 from comm_backends.shm_rendezvous import attach, setup_group
 from comm_backends.shm_segment import SHM_DIR
 
@@ -84,6 +86,7 @@ class ShmConfig:
     two_shot_bytes: int | None = None  # messages at least this big use two-shot; None = measured
     timeout_s: float = 60.0  # longest wait for a peer before giving up
     spin_s: float | None = None  # busy-poll time before yielding the core; None = by core count
+    native: bool = True  # reduce with the compiled kernel (shm_native) where it builds
 
     @classmethod
     def from_env(cls) -> ShmConfig:
@@ -97,6 +100,8 @@ class ShmConfig:
             cfg = replace(cfg, timeout_s=float(env["TPSERVE_SHM_TIMEOUT_S"]))
         if "TPSERVE_SHM_SPIN_S" in env:
             cfg = replace(cfg, spin_s=float(env["TPSERVE_SHM_SPIN_S"]))
+        if "TPSERVE_SHM_NATIVE" in env:
+            cfg = replace(cfg, native=env["TPSERVE_SHM_NATIVE"] != "0")
         return cfg
 
     def half_bytes(self) -> int:
@@ -136,12 +141,15 @@ class ShmAllReduce(AllReduce):
         self._acc: torch.Tensor | None = None  # fp32 scratch for long 16-bit reductions
         self._mapping = None
         self._board: FlagBoard | None = None
+        self._native: NativeReduce | None = None
         if self.world_size > 1:
             self._setup()
 
     def _setup(self) -> None:
         self._data_offset = header_bytes(self.world_size)
-        attached = attach(setup_group(self.group), self.rank, self.world_size, self.config,
+        native = load_native() if self.config.native else None
+        config = replace(self.config, native=native is not None)
+        attached = attach(setup_group(self.group), self.rank, self.world_size, config,
                           lambda cfg: self._data_offset + 2 * self.world_size * cfg.half_bytes())
         self.config = attached.config
         self._half = self.config.half_bytes()
@@ -151,6 +159,12 @@ class ShmAllReduce(AllReduce):
             dedicated = self.world_size <= len(os.sched_getaffinity(0))
             spin_s = SPIN_DEDICATED_S if dedicated else SPIN_OVERSUBSCRIBED_S
         self._board = FlagBoard(self._mapping, self.rank, attached.peers, self.config.timeout_s, spin_s)
+        # Every rank must reduce the same way (bit-identical results), so all follow rank 0's
+        # choice; a rank that cannot follow it fails loudly rather than diverging silently.
+        if self.config.native and native is None:
+            raise RuntimeError("shm: rank 0 reduces with the compiled kernel but this rank could "
+                               "not build it; set TPSERVE_SHM_NATIVE=0 on every rank")
+        self._native = native if self.config.native else None
         two_shot = self.config.two_shot_bytes
         self._two_shot_bytes = default_two_shot_bytes(self.world_size) if two_shot is None else two_shot
 
@@ -253,6 +267,14 @@ class ShmAllReduce(AllReduce):
 
     def _reduce(self, operands: tuple[torch.Tensor, ...], out: torch.Tensor) -> None:
         """Sum over ranks into ``out``; same ops on same shapes on every rank, fp32 inside."""
+        native = self._native
+        if native is not None:
+            first = operands[0]
+            if len(operands) == 2:
+                native(first.data_ptr(), operands[1].data_ptr() - first.data_ptr(), 2, out)
+            else:
+                native(first.data_ptr(), first.stride(0) * first.element_size(), first.shape[0], out)
+            return
         if len(operands) == 2:  # bf16/fp16 add computes in fp32 and rounds once
             torch.add(operands[0], operands[1], out=out)
         elif out.dtype == torch.float32 or out.numel() < _LOOP_MIN_NUMEL:

@@ -136,7 +136,12 @@ def _scenario_correctness(rank: int, world: int) -> dict[str, Any]:
         "one-shot, chunked": (ShmAllReduce(None, cpu, replace(SMALL, two_shot_bytes=1 << 40)), chunked),
         "one-shot, long rows": (ShmAllReduce(None, cpu, ShmConfig(two_shot_bytes=1 << 40)),
                                 SHAPES_LONG_ROWS),
+        # The torch-op reduction (no compiler, or TPSERVE_SHM_NATIVE=0), both algorithms.
+        "torch ops, one-shot": (ShmAllReduce(None, cpu, ShmConfig(native=False, two_shot_bytes=1 << 40)),
+                                SHAPES_SMALL + SHAPES_LONG_ROWS),
+        "torch ops, two-shot": (ShmAllReduce(None, cpu, replace(SMALL, native=False)), chunked),
     }
+    assert backends_native(cases) == [True] * 5 + [False] * 2
     backends = {name: backend for name, (backend, _) in cases.items()}
     digests: list[str] = []
     seed = 0
@@ -156,6 +161,12 @@ def _scenario_correctness(rank: int, world: int) -> dict[str, Any]:
     for backend in backends.values():
         backend.close()
     return {"cases": len(digests), "pid": pid0}
+
+
+def backends_native(cases: dict[str, tuple[AllReduce, Any]]) -> list[bool]:
+    """Which shm backends reduce with the compiled kernel (gloo counts as 'True': n/a)."""
+    return [getattr(b, "_native", True) is not None if isinstance(b, ShmAllReduce) else True
+            for b, _ in cases.values()]
 
 
 def _scenario_back_to_back(rank: int, world: int) -> int:
