@@ -8,17 +8,19 @@ Data layout after the flag header: every rank owns a slot of two equal halves (A
 
 * one-shot (small messages): copy the input into my half, publish, wait for everyone, then
   reduce all ranks' halves into the output. One flag round trip.
-* two-shot (large messages): copy the input into my "in" half, publish, wait; reduce segment
-  ``rank`` of every rank's "in" half into segment ``rank`` of my "out" half; publish, wait;
-  copy segment k of rank k's "out" half into the output for every k (all-gather).
+* two-shot (large messages): copy every segment of the input but my own (segment ``rank``)
+  into my "in" half, publish, wait; sum segment ``rank`` over my input and every peer's "in"
+  half, into my input and my "out" half; publish, wait; copy segment k of rank k's "out" half
+  into the input for every peer k (all-gather).
 
 Buffer reuse without a "done reading" flag: the half a round *writes before its first wait* is
 never the half peers read in the previous round's last phase (``_last``); by the time a round
 writes anything else, its first wait has proved every peer finished the previous round.
 
-Bit-identical results: every rank runs the same torch op on identically shaped views (one-shot)
-or copies the one owner's sum (two-shot); 16-bit inputs accumulate in fp32 (torch's add/sum of
-bf16/fp16 compute in fp32 and round once).
+Bit-identical results: every rank runs the same reduction on identically shaped views, in rank
+order (one-shot), or copies the one owner's sum (two-shot); 16-bit inputs accumulate in fp32
+and round once. The reduction is the compiled kernel of ``shm_native`` where it builds, else
+torch ops (kept, and tested, as the fallback).
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ import os
 import platform
 from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import ClassVar
+from typing import ClassVar, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -40,15 +42,15 @@ from comm_backends.shm_flags import (
     FlagBoard,
     header_bytes,
 )
-from comm_backends.shm_native import NativeReduce
+from comm_backends.shm_native import NativeReduce, RowPointers, row_pointers
 from comm_backends.shm_native import load as load_native
 from comm_backends.shm_rendezvous import attach, setup_group
 from comm_backends.shm_segment import SHM_DIR
 
+ViewsT = TypeVar("ViewsT")
 _MiB = 1 << 20
 _PAGE = 4096
 _MAX_CACHED_VIEWS = 512
-_NEVER = 1 << 62
 # Rows at least this long are reduced with an explicit fp32 loop (see ShmAllReduce._reduce).
 # Measured, bf16 rows in shm, us: 4 ranks 32K 106 vs 161 (torch.sum), 256K 824 vs 1109;
 # 8 ranks 4K 75 vs 23, 32K 164 vs 149, 256K 1433 vs 2380.
@@ -58,23 +60,29 @@ _LOOP_MIN_NUMEL = 32768
 def default_two_shot_bytes(world: int) -> int:
     """Smallest message that uses two-shot, by world size.
 
-    Measured with ``comm_backends.bench --pin`` on a 2-vCPU Xeon VM (AVX-512) shared with other
-    jobs, bf16, one-shot forced vs two-shot forced, best of 2-3 runs of slowest-rank medians, us:
+    Two ranks, measured with ``comm_backends.bench --spawn 2`` on the 2-core CI-like Xeon VM
+    (AVX-512, compiled reduction), bf16, one-shot forced vs two-shot forced, median us:
 
-        2 ranks  128K: 68 vs 69   512K: 186 vs 225   1M: 402 vs 390   2M: 781 vs 909
-                   4M: 1958 vs 2530   8M: 4302 vs 7649            -> one-shot at every size
+        64K: 45-51 vs 57-72   128K: 84 vs 76   256K: 95-108 vs 92-99   512K: 214 vs 155
+        1M: 455 vs 322   2M: 984 vs 566   8M: 3512 vs 2211               -> two-shot from 256K
+
+    Two-shot publishes only the segments peers need and sums a rank's own segment straight
+    from its input, so it moves less data than one-shot but pays a second flag round trip.
+
+    4 and 8 ranks, measured earlier on the same kind of VM with torch-op reductions, best of
+    2-3 runs of slowest-rank medians (4 and 8 ranks share 2 cores, which favours two-shot's
+    smaller total work; with a core per rank the crossover moves up):
+
         4 ranks    8K: 138 vs 174   16K: 172 vs 196   32K: 243 vs 264 (medians 299 vs 275)
                   64K: 364 vs 210  128K: 783 vs 326               -> two-shot from 32K
         8 ranks    4K: 347 vs 536    8K: 578 vs 545   16K: 692 vs 525   64K: 1767 vs 697
                                                                   -> two-shot from 16K
 
-    With two ranks two-shot moves more bytes (its all-gather) to save half of a cheap add, and
-    pays a second flag round trip. 4 and 8 ranks shared 2 cores there, which favours two-shot
-    (less total work); with a core per rank the crossover moves up. Re-measure on the target
-    host and set TPSERVE_SHM_TWO_SHOT_BYTES (or ShmConfig.two_shot_bytes) if it differs.
+    Re-measure on the target host and set TPSERVE_SHM_TWO_SHOT_BYTES (or
+    ShmConfig.two_shot_bytes) if it differs.
     """
     if world <= 2:
-        return _NEVER
+        return 256 << 10
     return 32 << 10 if world <= 4 else 16 << 10
 
 
@@ -111,6 +119,24 @@ class ShmConfig:
         return half
 
 
+@dataclass(frozen=True)
+class _OneShot:
+    mine: torch.Tensor  # my slot's half, shaped like the input
+    stack: torch.Tensor  # [W, *shape]: every rank's same half
+    rows: RowPointers | None  # the stack's row addresses, for the compiled kernel
+
+
+@dataclass(frozen=True)
+class _TwoShot:
+    lo: int  # my segment of the message: [lo, hi)
+    hi: int
+    publish: tuple[tuple[torch.Tensor, int, int], ...]  # (my in-half part, start, stop) of x
+    peer_rows: torch.Tensor  # [W, hi - lo]: my segment in every rank's in-half
+    out_seg: torch.Tensor  # my segment of my out-half: where peers gather my sum from
+    gathers: tuple[tuple[torch.Tensor, int, int], ...]  # (peer's out segment, start, stop) of x
+    rows: RowPointers | None  # peer_rows' addresses; entry ``rank`` is set to x's per call
+
+
 class ShmAllReduce(AllReduce):
     """Allreduce over a /dev/shm segment shared by the ranks of one host. Not thread-safe."""
 
@@ -134,7 +160,7 @@ class ShmAllReduce(AllReduce):
     ) -> None:
         super().__init__(group, device)
         self.config = config if config is not None else ShmConfig.from_env()
-        self._views: dict[tuple[object, ...], tuple[torch.Tensor, ...]] = {}
+        self._views: dict[tuple[object, ...], _OneShot | _TwoShot] = {}
         self._bases: dict[torch.dtype, torch.Tensor] = {}
         self._seq = 0
         self._last = 1  # half read in the previous round's last phase
@@ -177,9 +203,7 @@ class ShmAllReduce(AllReduce):
             self._bases[dtype] = base
         return base
 
-    def _cache(
-        self, key: tuple[object, ...], build: Callable[[], tuple[torch.Tensor, ...]]
-    ) -> tuple[torch.Tensor, ...]:
+    def _cache(self, key: tuple[object, ...], build: Callable[[], ViewsT]) -> ViewsT:
         views = self._views.get(key)
         if views is None:
             if len(self._views) >= _MAX_CACHED_VIEWS:
@@ -187,36 +211,43 @@ class ShmAllReduce(AllReduce):
             views = self._views[key] = build()
         return views
 
-    def _one_shot_views(self, dtype: torch.dtype, shape: torch.Size, half: int) -> tuple[torch.Tensor, ...]:
-        """(my half shaped like the input, then the reduce operands: 2 rows or a [W, ...] stack)."""
-
-        def build() -> tuple[torch.Tensor, ...]:
+    def _one_shot_views(self, dtype: torch.dtype, shape: torch.Size, half: int) -> _OneShot:
+        def build() -> _OneShot:
             base, hstride = self._base(dtype), self._half // dtype.itemsize
             inner = torch.empty(shape, device="meta").stride()
             stack = base.as_strided((self.world_size, *shape), (2 * hstride, *inner), half * hstride)
-            mine = stack[self.rank]
-            return (mine, stack[0], stack[1]) if self.world_size == 2 else (mine, stack)
+            rows = None
+            if self._native is not None:
+                rows = row_pointers([stack[k].data_ptr() for k in range(self.world_size)])
+            return _OneShot(stack[self.rank], stack, rows)
 
         return self._cache(("one", dtype, shape, half), build)
 
-    def _two_shot_views(self, dtype: torch.dtype, n: int, half_in: int) -> tuple[torch.Tensor, ...]:
-        """(my in-half[:n], reduce operands of my segment, my out segment, gather rows, tail)."""
-
-        def build() -> tuple[torch.Tensor, ...]:
-            world, base, hstride = self.world_size, self._base(dtype), self._half // dtype.itemsize
+    def _two_shot_views(self, dtype: torch.dtype, n: int, half_in: int) -> _TwoShot:
+        def build() -> _TwoShot:
+            world, rank, base = self.world_size, self.rank, self._base(dtype)
+            hstride = self._half // dtype.itemsize
             align = 64 // dtype.itemsize  # whole cache lines per segment: owners never share one
             per_rank = -(-n // world)
             seg = -(-per_rank // align) * align
-            half_out, lo = 1 - half_in, self.rank * seg
-            mine = base.as_strided((n,), (1,), (2 * self.rank + half_in) * hstride)
-            stack = base.as_strided((world, seg), (2 * hstride, 1), half_in * hstride + lo)
-            out_seg = base.as_strided((seg,), (1,), (2 * self.rank + half_out) * hstride + lo)
-            # "Diagonal": row k is segment k of rank k's out half.
-            diag = base.as_strided((world, seg), (2 * hstride + seg, 1), half_out * hstride)
-            full, rem = divmod(n, seg)
-            tail = diag[full, :rem] if rem else diag[0, :0]
-            operands = (stack[0], stack[1]) if world == 2 else (stack,)
-            return (mine, *operands, out_seg, diag[:full], tail)
+            lo, hi = min(rank * seg, n), min((rank + 1) * seg, n)
+
+            def half_of(k: int, half: int, start: int, stop: int) -> torch.Tensor:
+                return base.as_strided((stop - start,), (1,), (2 * k + half) * hstride + start)
+
+            def gather(k: int) -> tuple[torch.Tensor, int, int]:
+                start, stop = min(k * seg, n), min((k + 1) * seg, n)
+                return half_of(k, 1 - half_in, start, stop), start, stop
+
+            # Everything but my own segment goes to peers; my segment never leaves my tensor.
+            publish = tuple((half_of(rank, half_in, a, b), a, b) for a, b in ((0, lo), (hi, n)) if b > a)
+            # Row k: segment ``rank`` of rank k's in-half (row ``rank`` itself is never read).
+            peer_rows = base.as_strided((world, hi - lo), (2 * hstride, 1), half_in * hstride + lo)
+            gathers = tuple(g for g in (gather(k) for k in range(world) if k != rank) if g[2] > g[1])
+            rows = None
+            if self._native is not None:
+                rows = row_pointers([peer_rows[k].data_ptr() for k in range(world)])
+            return _TwoShot(lo, hi, publish, peer_rows, half_of(rank, 1 - half_in, lo, hi), gathers, rows)
 
         return self._cache(("two", dtype, n, half_in), build)
 
@@ -265,54 +296,60 @@ class ShmAllReduce(AllReduce):
         self._board.publish(self._seq)
         self._board.wait_all(self._seq)
 
-    def _reduce(self, operands: tuple[torch.Tensor, ...], out: torch.Tensor) -> None:
-        """Sum over ranks into ``out``; same ops on same shapes on every rank, fp32 inside."""
-        native = self._native
-        if native is not None:
-            first = operands[0]
-            if len(operands) == 2:
-                native(first.data_ptr(), operands[1].data_ptr() - first.data_ptr(), 2, out)
-            else:
-                native(first.data_ptr(), first.stride(0) * first.element_size(), first.shape[0], out)
+    def _reduce_rows(self, rows: list[torch.Tensor], out: torch.Tensor) -> None:
+        """torch-op reduction over ``rows`` (rank order) into ``out``, fp32 inside."""
+        if len(rows) == 2:  # bf16/fp16 add computes in fp32 and rounds once
+            torch.add(rows[0], rows[1], out=out)
             return
-        if len(operands) == 2:  # bf16/fp16 add computes in fp32 and rounds once
-            torch.add(operands[0], operands[1], out=out)
-        elif out.dtype == torch.float32 or out.numel() < _LOOP_MIN_NUMEL:
-            torch.sum(operands[0], dim=0, out=out)  # accumulates 16-bit inputs in fp32
-        else:
-            # torch's 16-bit sum over the rank dim is slow for long rows; an explicit fp32
-            # accumulation (rank 0, 1, 2, ... in order) measured 1.3-1.7x faster from 32K.
-            stack = operands[0]
-            acc = self._accumulator(out.numel()).view(out.shape)
-            acc.copy_(stack[0])
-            for rank in range(1, stack.shape[0]):
-                acc.add_(stack[rank])
-            out.copy_(acc)
+        # An explicit fp32 accumulation, rank 0, 1, 2, ... in order: torch's 16-bit sum over a
+        # stacked rank dim measured 1.3-1.7x slower from 32K elements.
+        acc = self._accumulator(out.numel()).view(out.shape)
+        acc.copy_(rows[0])
+        for row in rows[1:]:
+            acc.add_(row)
+        out.copy_(acc)
 
     def _accumulator(self, numel: int) -> torch.Tensor:
         if self._acc is None or self._acc.numel() < numel:
             self._acc = torch.empty(max(numel, self._half // 2), dtype=torch.float32)
         return self._acc[:numel]
 
-    def _one_shot(self, x: torch.Tensor, views: tuple[torch.Tensor, ...]) -> None:
+    def _one_shot(self, x: torch.Tensor, views: _OneShot) -> None:
         self._last = 1 - self._last
-        views[0].copy_(x)
+        views.mine.copy_(x)
         self._step()
-        self._reduce(views[1:], x)
+        if views.rows is not None:
+            self._native(views.rows, self.world_size, x.data_ptr(), None, x.numel(), x.dtype)
+        elif self.world_size == 2 or x.dtype != torch.float32 and x.numel() >= _LOOP_MIN_NUMEL:
+            self._reduce_rows(list(views.stack), x)
+        else:
+            torch.sum(views.stack, dim=0, out=x)  # one op; accumulates 16-bit inputs in fp32
 
-    def _two_shot(self, x: torch.Tensor, views: tuple[torch.Tensor, ...]) -> None:
-        # Writes "in" = 1 - _last before the first wait, "out" = _last after it; _last stays.
-        mine, operands, out_seg, rows, tail = views[0], views[1:-3], views[-3], views[-2], views[-1]
-        mine.copy_(x)
+    def _two_shot(self, x: torch.Tensor, views: _TwoShot) -> None:
+        """Reduce-scatter (each rank sums its own segment), then all-gather the sums.
+
+        Writes "in" = 1 - _last before the first wait, "out" = _last after it; _last stays.
+        Only the segments peers need are published, and a rank sums its own segment reading
+        its own part straight from ``x``: 1/W less copying each way than staging everything.
+        """
+        for dst, a, b in views.publish:
+            dst.copy_(x[a:b])
         self._step()
-        self._reduce(operands, out_seg)
+        lo, hi = views.lo, views.hi
+        if hi > lo:
+            mine = x[lo:hi]
+            if views.rows is not None:
+                views.rows[self.rank] = mine.data_ptr()
+                self._native(views.rows, self.world_size, mine.data_ptr(), views.out_seg.data_ptr(),
+                             hi - lo, x.dtype)
+            else:
+                rows = list(views.peer_rows)
+                rows[self.rank] = mine
+                self._reduce_rows(rows, mine)
+                views.out_seg.copy_(mine)
         self._step()
-        seg = out_seg.numel()
-        full = rows.shape[0]
-        if full:
-            x[: full * seg].view(full, seg).copy_(rows)
-        if tail.numel():
-            x[full * seg :].copy_(tail)
+        for src, a, b in views.gathers:
+            x[a:b].copy_(src)
 
     # ----------------------------------------------------------------- teardown
     def close(self) -> None:

@@ -35,7 +35,13 @@ log = logging.getLogger(__name__)
 _SOURCE = Path(__file__).with_name("shm_reduce.c")
 _FLAGS = ("-O3", "-march=native", "-fPIC", "-shared", "-fno-fast-math")
 _SYMBOLS = {torch.float32: "reduce_f32", torch.bfloat16: "reduce_bf16", torch.float16: "reduce_f16"}
-_ARGTYPES = (ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32, ctypes.c_void_p, ctypes.c_int64)
+_ARGTYPES = (ctypes.POINTER(ctypes.c_void_p), ctypes.c_int32, ctypes.c_void_p, ctypes.c_void_p,
+             ctypes.c_int64)
+RowPointers = ctypes.Array  # of c_void_p: one row address per rank, in rank order
+
+
+def row_pointers(addresses: list[int]) -> RowPointers:
+    return (ctypes.c_void_p * len(addresses))(*addresses)
 
 
 @dataclass(frozen=True)
@@ -44,9 +50,10 @@ class NativeReduce:
 
     kernels: dict[torch.dtype, ctypes._CFuncPtr]
 
-    def __call__(self, first: int, row_stride_bytes: int, rows: int, out: torch.Tensor) -> None:
-        """Sum ``rows`` contiguous rows (the first at address ``first``) into contiguous ``out``."""
-        self.kernels[out.dtype](first, row_stride_bytes, rows, out.data_ptr(), out.numel())
+    def __call__(self, rows: RowPointers, nrows: int, out: int, out2: int | None, n: int,
+                 dtype: torch.dtype) -> None:
+        """Sum ``n`` elements of each of ``nrows`` rows into address ``out`` (and ``out2``)."""
+        self.kernels[dtype](rows, nrows, out, out2, n)
 
 
 def cache_dir() -> Path:

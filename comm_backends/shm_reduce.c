@@ -1,9 +1,11 @@
-/* Sum rows of a strided stack into one contiguous output, accumulating in fp32.
+/* Sum rows (each a contiguous array) into one or two contiguous outputs, accumulating in fp32.
  *
  * Used by the `shm` allreduce for its reduction step (shm_native.py compiles this file with
- * the host C compiler at first use and loads it with ctypes). Row k of the input starts at
- * first + k * row_stride bytes; rows are contiguous. Every rank runs the same code in the same
- * order (row 0, 1, 2, ..., then one rounding), so results are bit-identical across ranks.
+ * the host C compiler at first use and loads it with ctypes). `rows` holds one pointer per
+ * rank, in rank order; `out2` (may be NULL) receives a second copy of the result. Every rank
+ * runs the same code in the same order (row 0, 1, 2, ..., then one rounding), so results are
+ * bit-identical across ranks. A vector step loads all rows before it stores, so an output may
+ * alias the row it replaces (in-place reduction into the caller's tensor).
  *
  * 16-bit values are widened to fp32, added, and rounded once to nearest-even (NaN kept,
  * quietened): the same arithmetic as torch's CPU bf16/fp16 add, so a 2-rank sum equals
@@ -115,28 +117,30 @@ static inline void f32_out(float *p, vec f) { _mm256_storeu_ps(p, f); }
 
 /* ---- the reduction, one instance per format ---- */
 
-#define ROW(T, k) ((const T *)(first + (int64_t)(k) * row_stride))
+#define ROW(T, k) ((const T *)rows[k])
 
 #if LANES
-#define VECTOR_PART(T, FMT)                                                      \
-    for (; i + LANES <= n; i += LANES) {                                         \
-        vec acc = FMT##_in(ROW(T, 0) + i);                                       \
-        for (int32_t k = 1; k < rows; k++) acc = vadd(acc, FMT##_in(ROW(T, k) + i)); \
-        FMT##_out(out + i, acc);                                                 \
+#define VECTOR_PART(T, FMT)                                                          \
+    for (; i + LANES <= n; i += LANES) {                                             \
+        vec acc = FMT##_in(ROW(T, 0) + i);                                           \
+        for (int32_t k = 1; k < nrows; k++) acc = vadd(acc, FMT##_in(ROW(T, k) + i)); \
+        FMT##_out(out + i, acc);                                                     \
+        if (out2) FMT##_out(out2 + i, acc);                                          \
     }
 #else
 #define VECTOR_PART(T, FMT)
 #endif
 
-#define DEFINE_REDUCE(NAME, T, FMT)                                                      \
-    void NAME(const char *first, int64_t row_stride, int32_t rows, T *out, int64_t n) {  \
-        int64_t i = 0;                                                                   \
-        VECTOR_PART(T, FMT)                                                              \
-        for (; i < n; i++) {                                                             \
-            float acc = FMT##_in1(ROW(T, 0) + i);                                        \
-            for (int32_t k = 1; k < rows; k++) acc += FMT##_in1(ROW(T, k) + i);          \
-            FMT##_out1(out + i, acc);                                                    \
-        }                                                                                \
+#define DEFINE_REDUCE(NAME, T, FMT)                                                         \
+    void NAME(const void *const *rows, int32_t nrows, T *out, T *out2, int64_t n) {         \
+        int64_t i = 0;                                                                      \
+        VECTOR_PART(T, FMT)                                                                 \
+        for (; i < n; i++) {                                                                \
+            float acc = FMT##_in1(ROW(T, 0) + i);                                           \
+            for (int32_t k = 1; k < nrows; k++) acc += FMT##_in1(ROW(T, k) + i);            \
+            FMT##_out1(out + i, acc);                                                       \
+            if (out2) FMT##_out1(out2 + i, acc);                                            \
+        }                                                                                   \
     }
 
 DEFINE_REDUCE(reduce_bf16, uint16_t, bf16)

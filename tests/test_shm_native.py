@@ -53,8 +53,10 @@ def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 def _run(native: shm_native.NativeReduce, rows: torch.Tensor) -> torch.Tensor:
-    out = torch.empty(rows.shape[1], dtype=rows.dtype)
-    native(rows.data_ptr(), rows.stride(0) * rows.element_size(), rows.shape[0], out)
+    out, out2 = torch.empty(rows.shape[1], dtype=rows.dtype), torch.empty(rows.shape[1], dtype=rows.dtype)
+    pointers = shm_native.row_pointers([row.data_ptr() for row in rows])
+    native(pointers, rows.shape[0], out.data_ptr(), out2.data_ptr(), rows.shape[1], rows.dtype)
+    assert _same(out, out2)  # the second output gets the same bits
     return out
 
 
@@ -86,6 +88,16 @@ def test_strided_rows_and_rounding_ties(native: shm_native.NativeReduce) -> None
     out = _run(native, rows[:2])
     assert torch.equal(out, torch.full((37,), 1.0 + 2.0**-6, dtype=torch.bfloat16))
     assert _same(out, torch.add(rows[0], rows[1]))
+
+
+def test_in_place_into_one_of_the_rows(native: shm_native.NativeReduce) -> None:
+    """Two-shot sums a rank's own segment straight into its input tensor."""
+    for dtype in DTYPES:
+        rows = _rows(3, 1001, dtype, seed=5)
+        expected = _sequential_reference(rows)
+        pointers = shm_native.row_pointers([row.data_ptr() for row in rows])
+        native(pointers, 3, rows[1].data_ptr(), None, rows.shape[1], dtype)
+        assert _same(rows[1], expected), dtype
 
 
 def test_disabled_by_environment(monkeypatch: pytest.MonkeyPatch) -> None:
