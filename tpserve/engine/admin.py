@@ -35,7 +35,10 @@ def validate_change(change: dict[str, Any], comm: CommSwitch | None, spec: Any,
                              f"--allreduce {','.join([*known, str(name)])}")
         out["allreduce"] = name
     if change.get("speculative") is not None:
-        out["speculative"] = _spec_change(change["speculative"], spec, lookahead)
+        body = change["speculative"]
+        if spec is None and body == {"enabled": False}:
+            return out  # already off (no draft): a no-op, so a harness can send it to any server
+        out["speculative"] = _spec_change(body, spec, lookahead)
     return out
 
 
