@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import ast
+
 import pytest
 import torch
 
@@ -11,6 +13,7 @@ from tpserve.engine.sampling_params import SamplingParams
 from tpserve.offline import OfflineEngine
 
 PROMPTS = ("def ", "import ", "class ", "    for i in range(")
+NEW_TOKENS = 48
 BASE = dict(device="cpu", dtype="float32", allreduce="gloo", cpu_threads=1,
             max_total_tokens=2048, context_length=512)
 
@@ -19,7 +22,7 @@ def _run(spec: bool) -> tuple[list[list[int]], list[float], OfflineEngine]:
     extra = dict(speculative_algorithm="EAGLE3") if spec else {}
     engine = OfflineEngine(ServerArgs(**BASE, **extra))  # type: ignore[arg-type]
     prompts = [engine.tokenizer.encode(p, add_special_tokens=False).ids for p in PROMPTS]
-    outs = engine.generate(prompts, SamplingParams(max_new_tokens=32, temperature=0.0,
+    outs = engine.generate(prompts, SamplingParams(max_new_tokens=NEW_TOKENS, temperature=0.0,
                                                    ignore_eos=True))
     engine.close()
     return [o.output_ids for o in outs], [o.meta.get("spec_accept_length", 1.0) for o in outs], engine
@@ -43,6 +46,34 @@ def test_speculative_greedy_equals_plain_greedy(runs: tuple[tuple, tuple]) -> No
     assert spec == plain
     text = engine.tokenizer.decode(plain[0])
     assert text.strip(), "the demo target should write something"
+
+
+def _parses(line: str) -> bool:
+    """A complete statement, or the header of a compound one (``def f(x):``, ``class A(B):``)."""
+    for source in (line, line + "\n    pass"):
+        try:
+            ast.parse(source)
+            return True
+        except SyntaxError:
+            pass
+    return False
+
+
+def _statement_lines(text: str) -> list[str]:
+    """Lines that Python parses on their own and that say something (not just a name)."""
+    lines = (line.strip() for line in text.splitlines())
+    return [line for line in lines if len(line) >= 8 and not line.startswith("#")
+            and any(c in line for c in "(=.:") and _parses(line)]
+
+
+def test_target_writes_python(runs: tuple[tuple, tuple]) -> None:
+    """Greedy after `def `, `import ` and `class `: a name, then lines Python itself parses."""
+    (plain, _, engine), _ = runs
+    for prompt, ids in zip(PROMPTS[:3], plain[:3]):
+        text = engine.tokenizer.decode(ids)
+        name = text.split("(")[0].split(":")[0].split("\n")[0].split(".")[0].strip()
+        assert name.isidentifier(), (prompt, text)
+        assert _statement_lines(prompt + text), (prompt, text)
 
 
 def test_draft_is_accepted(runs: tuple[tuple, tuple]) -> None:

@@ -13,9 +13,16 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 
 SPECIALS = ("<s>", "</s>", "<pad>")  # ids 0, 1, 2
+
+# Pre-token boundaries: a word, a number or a punctuation run *keeps its trailing space*, and
+# other whitespace (newline + indentation) stands alone. GPT-2's rule does the opposite (a
+# space starts the next word), so a prompt ending in a space ("def ") ended in a lone space
+# token that training text never contains before a name, and the model derailed. With
+# trailing spaces attached, "def " is one token, exactly as it appears in the corpus.
+PRETOKEN_PATTERN = r"[^\W\d]\w* ?|\d+ ?|[^\w\s]+ ?|\s+"
 
 
 @dataclass(frozen=True)
@@ -46,9 +53,11 @@ def read_text(path: Path) -> str:
 
 
 def train_tokenizer(files: tuple[Path, ...], vocab_size: int) -> Tokenizer:
-    """Byte-level BPE (GPT-2 style): every byte string is representable, no unknown token."""
+    """Byte-level BPE: every byte string is representable, no unknown token."""
     tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(PRETOKEN_PATTERN), behavior="isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(SPECIALS),
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
