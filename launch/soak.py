@@ -34,16 +34,27 @@ class Tally:
     itl: list[float] = field(default_factory=list)
 
 
+def rank_rss_mb(pid: int) -> float:
+    """VmRSS of one process (this host only, hence loopback); 0 once it is gone."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:")) / 1024
+    except (OSError, StopIteration):
+        return 0.0
+
+
 def rss_mb(pids: list[int]) -> float:
-    """Sum of VmRSS over the rank processes (this host only, hence loopback)."""
-    total_kb = 0
-    for pid in pids:
-        try:
-            with open(f"/proc/{pid}/status") as f:
-                total_kb += next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
-        except (OSError, StopIteration):
-            pass
-    return total_kb / 1024
+    """Sum of VmRSS over the rank processes."""
+    return sum(rank_rss_mb(pid) for pid in pids)
+
+
+async def sample_rss(pids: list[int], every_s: float, deadline: float,
+                     series: list[tuple[float, list[float]]]) -> None:
+    """Per-rank RSS every ``every_s`` seconds: shows whether growth levels off or keeps going."""
+    start = time.monotonic()
+    while time.monotonic() < deadline:
+        series.append((round(time.monotonic() - start, 1), [round(rank_rss_mb(p), 1) for p in pids]))
+        await asyncio.sleep(every_s)
 
 
 def percentile(values: list[float], q: float) -> float | None:
@@ -100,7 +111,9 @@ async def soak(args: argparse.Namespace) -> dict[str, object]:
     rss_start, tally = rss_mb(pids), Tally()
     start = time.monotonic()
     deadline = start + args.minutes * 60
-    await asyncio.gather(*(client_loop(args.url, headers, i, deadline, args.max_tokens, tally)
+    series: list[tuple[float, list[float]]] = []
+    await asyncio.gather(sample_rss(pids, args.rss_every_s, deadline, series),
+                         *(client_loop(args.url, headers, i, deadline, args.max_tokens, tally)
                            for i in range(args.concurrency)))
     elapsed = time.monotonic() - start
     ms = lambda v: None if v is None else round(v * 1000, 2)  # noqa: E731
@@ -111,6 +124,7 @@ async def soak(args: argparse.Namespace) -> dict[str, object]:
         "itl_ms_p50": ms(percentile(tally.itl, 0.5)), "itl_ms_p99": ms(percentile(tally.itl, 0.99)),
         "output_tokens_per_s": round(tally.tokens / elapsed, 1),
         "server_rss_mb_start": round(rss_start, 1), "server_rss_mb_end": round(rss_mb(pids), 1),
+        "rss_mb_by_rank_over_time": series,
     }
 
 
@@ -121,6 +135,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--minutes", type=float, default=5.0)
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--api-key", default=None)
+    parser.add_argument("--rss-every-s", type=float, default=30.0, help="per-rank RSS sampling period")
     parser.add_argument("--json", default=None, help="also write the report to this file")
     args = parser.parse_args(argv)
     if urlparse(args.url).hostname not in LOOPBACK:

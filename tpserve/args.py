@@ -31,6 +31,7 @@ class ServerArgs:
     dist_timeout_s: float = 600.0
     api_key: str | None = None
     enable_profiling: bool = False
+    skip_server_warmup: bool = False
     max_request_bytes: int = 8 << 20  # larger HTTP bodies get 413
     shutdown_timeout_s: float = 10.0  # grace for in-flight requests on SIGTERM/SIGINT
     speculative_algorithm: str | None = None  # None | "EAGLE3"
@@ -67,6 +68,7 @@ FLAG_HELP = {
     "seed": "server seed for requests without one",
     "log_level": "debug | info | warning", "dist_timeout_s": "collective timeout (s)",
     "enable_profiling": "time every engine phase per step (also togglable via /admin/config)",
+    "skip_server_warmup": "do not run the largest prefill chunk and decode batch before ready",
     "api_key": "require 'Authorization: Bearer KEY' (also env TPSERVE_API_KEY)",
     "max_request_bytes": "largest HTTP request body accepted (larger: 413)",
     "shutdown_timeout_s": "on SIGTERM/SIGINT, seconds in-flight requests get to finish",

@@ -15,15 +15,14 @@ from tokenizers import Tokenizer, models
 from tpserve.args import ServerArgs
 from tpserve.control import make_channel
 from tpserve.demo import with_demo_defaults
-from tpserve.engine.detokenizer import IncrementalDetokenizer, StopChecker
 from tpserve.engine.engine import Engine, follow
 from tpserve.engine.kv_cache import PageAllocator
 from tpserve.engine.plan import StepPlan
-from tpserve.engine.request import Request, RequestOutput
-from tpserve.engine.sampler import make_generator
+from tpserve.engine.request import Request, RequestOutput, new_request
 from tpserve.engine.sampling_params import SamplingParams
 from tpserve.engine.scheduler import Scheduler, SchedulerConfig
 from tpserve.engine.static_setup import install_static
+from tpserve.engine.warmup import run_to_completion
 from tpserve.layers.tp import TPContext
 from tpserve.serve import eos_ids, setup_rank
 from tpserve.spec.config import spec_config_from_args
@@ -71,13 +70,9 @@ class OfflineEngine:
 
     def request(self, prompt: list[int], params: SamplingParams,
                 sink: dict[str, RequestOutput]) -> Request:
-        rid = f"offline-{next(self._ids)}"
-        return Request(
-            rid=rid, prompt_ids=list(prompt), params=params,
-            generator=make_generator(params.seed, self.args.seed + int(rid.split("-")[1])),
-            detok=IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens, prompt),
-            stop=StopChecker(params.stop), eos_ids=self.eos,
-            emit=lambda out: sink.__setitem__(out.rid, out))
+        index = next(self._ids)
+        return new_request(f"offline-{index}", prompt, params, self.tokenizer, self.eos,
+                           self.args.seed + index, lambda out: sink.__setitem__(out.rid, out))
 
     def generate(self, prompts: list[list[int]],
                  params: list[SamplingParams] | SamplingParams) -> list[RequestOutput]:
@@ -86,12 +81,7 @@ class OfflineEngine:
             params = [params] * len(prompts)
         sink: dict[str, RequestOutput] = {}
         reqs = [self.request(p, sp, sink) for p, sp in zip(prompts, params, strict=True)]
-        for req in reqs:
-            self.engine.scheduler.add(req)
-        while self.engine.scheduler.has_work():
-            batch = self.engine.scheduler.next_batch()
-            if batch is not None:
-                self.engine.step(batch)
+        run_to_completion(self.engine, reqs)
         return [sink[r.rid] for r in reqs]
 
     def close(self) -> None:

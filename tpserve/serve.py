@@ -5,6 +5,7 @@ Start-up logs each phase with its duration, so a slow start shows where its time
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import os
@@ -34,9 +35,12 @@ from tpserve.dist import (
 )
 from tpserve.engine.engine import Engine, follow
 from tpserve.engine.kv_cache import KVCache, KVCacheConfig, PageAllocator
+from tpserve.engine.request import Request, new_request
 from tpserve.engine.runner import ModelRunner
+from tpserve.engine.sampling_params import SamplingParams
 from tpserve.engine.scheduler import Scheduler, SchedulerConfig
 from tpserve.engine.static_setup import ModelShape, graph_reserve_bytes, install_static
+from tpserve.engine.warmup import warm_up, warmup_shape
 from tpserve.layers.tp import TPContext
 from tpserve.loader import resolve_dtype
 from tpserve.models.config import ModelConfig, load_config
@@ -152,6 +156,23 @@ def load_tokenizer(path: Path) -> Tokenizer:
     return Tokenizer.from_file(str(file))
 
 
+def run_warmup(args: ServerArgs, setup: RankSetup, engine: Engine, tokenizer: Tokenizer,
+               eos: frozenset[int]) -> None:
+    """Rank 0, before the engine thread starts: every rank follows the warm-up plans."""
+    kv_tokens = setup.runner.kv.cfg.num_pages * args.page_size
+    shape = warmup_shape(args.max_running_requests, args.chunked_prefill_size,
+                         setup.context_length, kv_tokens)
+    ids = itertools.count()
+
+    def make(prompt: list[int], params: SamplingParams) -> Request:
+        index = next(ids)  # greedy: the seed is never used
+        return new_request(f"warmup-{index}", prompt, params, tokenizer, eos, index, lambda _: None)
+
+    seconds = warm_up(engine, make, shape, setup.cfg.vocab_size)
+    log.info("warm-up: %d requests (prompts of %d and %d tokens), %d new tokens each, %.2fs",
+             shape.requests, shape.prompt_len, shape.long_prompt_len, shape.new_tokens, seconds)
+
+
 def start_responder(args: ServerArgs) -> StartupResponder | None:
     """Rank 0 listens from the first second (503 until ready); other ranks serve no HTTP."""
     if os.environ.get("RANK", "0") != "0":
@@ -187,12 +208,15 @@ def run(args: ServerArgs) -> int:
         PageAllocator(setup.runner.kv.cfg.num_pages),
     )
     engine = Engine(setup.runner, scheduler, channel, setup.context_length, spec)
+    tokenizer = load_tokenizer(Path(args.tokenizer) if args.tokenizer else setup.model_dir)
+    eos = eos_ids(setup.model_dir, setup.cfg)
+    if not args.skip_server_warmup:
+        with phase("warm-up (largest prefill chunk and decode batch)", on_phase):
+            run_warmup(args, setup, engine, tokenizer, eos)
     if args.enable_profiling:
         engine.reconfigure({"profiling": True})
     thread = threading.Thread(target=engine.run, name="tpserve-engine", daemon=True)
     thread.start()
-    tokenizer = load_tokenizer(Path(args.tokenizer) if args.tokenizer else setup.model_dir)
     assert responder is not None  # rank 0 always has one
-    code = serve_http(args, setup, engine, tokenizer, eos_ids(setup.model_dir, setup.cfg), thread,
-                      responder)
+    code = serve_http(args, setup, engine, tokenizer, eos, thread, responder)
     return finish_leader(engine, thread, code, channel, setup.comm)

@@ -8,8 +8,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from tokenizers import Tokenizer
 
 from tpserve.engine.detokenizer import IncrementalDetokenizer, StopChecker
+from tpserve.engine.sampler import make_generator
 from tpserve.engine.sampling_params import SamplingParams
 
 
@@ -83,3 +85,14 @@ class Request:
             meta["ttft"] = self.first_token_at - self.arrival
         meta.update(self.stats)
         return meta
+
+
+def new_request(rid: str, prompt: list[int], params: SamplingParams, tokenizer: Tokenizer,
+                eos_ids: frozenset[int], fallback_seed: int,
+                emit: Callable[[RequestOutput], None]) -> Request:
+    """A request with its own RNG (``params.seed``, else ``fallback_seed``), detokenizer and stops."""
+    return Request(
+        rid=rid, prompt_ids=list(prompt), params=params,
+        generator=make_generator(params.seed, fallback_seed),
+        detok=IncrementalDetokenizer(tokenizer, params.skip_special_tokens, prompt),
+        stop=StopChecker(params.stop), eos_ids=eos_ids, emit=emit)

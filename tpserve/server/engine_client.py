@@ -21,10 +21,8 @@ from typing import Any, Protocol
 
 from tokenizers import Tokenizer
 
-from tpserve.engine.detokenizer import IncrementalDetokenizer, StopChecker
 from tpserve.engine.engine import Command, Engine
-from tpserve.engine.request import Request, RequestOutput
-from tpserve.engine.sampler import make_generator
+from tpserve.engine.request import RequestOutput, new_request
 from tpserve.engine.sampling_params import MAX_N, SamplingParams
 
 # 64-bit seeds, with room for the +i that n > 1 adds per choice (expand_n).
@@ -159,13 +157,9 @@ class EngineClient:
         loop = asyncio.get_running_loop()
         events: asyncio.Queue[RequestOutput] = asyncio.Queue()
         rid = rid or uuid.uuid4().hex
-        req = Request(
-            rid=rid, prompt_ids=list(ids), params=params,
-            generator=make_generator(params.seed, self.limits.server_seed + next(self._counter)),
-            detok=IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens, ids),
-            stop=StopChecker(params.stop), eos_ids=self.eos_ids,
-            emit=lambda out: _deliver(loop, events, out),
-        )
+        req = new_request(rid, ids, params, self.tokenizer, self.eos_ids,
+                          self.limits.server_seed + next(self._counter),
+                          lambda out: _deliver(loop, events, out))
         started, previous = time.perf_counter(), None
         last: RequestOutput | None = None
         try:
