@@ -76,6 +76,20 @@ def test_target_writes_python(runs: tuple[tuple, tuple]) -> None:
         assert _statement_lines(prompt + text), (prompt, text)
 
 
+def test_one_token_prompt_alone_in_a_batch() -> None:
+    """A prefill step whose only prompt is one token leaves the draft nothing to extend."""
+    torch.set_num_threads(1)
+    outs = []
+    for extra in ({}, {"speculative_algorithm": "EAGLE3"}):
+        engine = OfflineEngine(ServerArgs(**BASE, **extra))  # type: ignore[arg-type]
+        ids = engine.tokenizer.encode("return", add_special_tokens=False).ids
+        assert len(ids) == 1
+        params = SamplingParams(max_new_tokens=12, temperature=0.0, ignore_eos=True)
+        outs.append(engine.generate([ids], params)[0].output_ids)
+        engine.close()
+    assert outs[1] == outs[0] and len(outs[0]) == 12
+
+
 def test_draft_is_accepted(runs: tuple[tuple, tuple]) -> None:
     _, (_, accept, _) = runs
     assert sum(accept) / len(accept) > 1.5, accept

@@ -118,7 +118,8 @@ class SpecDecoder:
                 toks.append(torch.cat([prev, chunk]))
                 starts.append(cached - len(held))
             self.pending[key] = new[q - 1 :]
-        self._draft_extend(rows, toks, starts, plan.page_table)
+        if any(len(t) for t in toks):  # a batch of one-token prompts has nothing to extend
+            self._draft_extend(rows, toks, starts, plan.page_table)
         return out
 
     def _draft_extend(self, rows: list[torch.Tensor], toks: list[torch.Tensor],
