@@ -57,8 +57,8 @@ _MAX_CACHED_VIEWS = 512
 _LOOP_MIN_NUMEL = 32768
 
 
-def default_two_shot_bytes(world: int) -> int:
-    """Smallest message that uses two-shot, by world size.
+def default_two_shot_bytes(world: int, native: bool = True) -> int:
+    """Smallest message that uses two-shot, by world size and reduction (compiled or torch ops).
 
     Two ranks, measured with ``comm_backends.bench --spawn 2`` on the 2-core CI-like Xeon VM
     (AVX-512, compiled reduction), bf16, one-shot forced vs two-shot forced, median us:
@@ -69,21 +69,27 @@ def default_two_shot_bytes(world: int) -> int:
     Two-shot publishes only the segments peers need and sums a rank's own segment straight
     from its input, so it moves less data than one-shot but pays a second flag round trip.
 
-    4 and 8 ranks, measured earlier on the same kind of VM with torch-op reductions, best of
-    2-3 runs of slowest-rank medians (4 and 8 ranks share 2 cores, which favours two-shot's
-    smaller total work; with a core per rank the crossover moves up):
+    4 and 8 ranks on the same 2 cores (so ranks share cores, which favours two-shot's smaller
+    total work; with a core per rank the crossover moves up), same method, median us:
 
-        4 ranks    8K: 138 vs 174   16K: 172 vs 196   32K: 243 vs 264 (medians 299 vs 275)
-                  64K: 364 vs 210  128K: 783 vs 326               -> two-shot from 32K
-        8 ranks    4K: 347 vs 536    8K: 578 vs 545   16K: 692 vs 525   64K: 1767 vs 697
-                                                                  -> two-shot from 16K
+        4 ranks   64K: 161 vs 399   128K: 214-254 vs 315-341   256K: 345 vs 514
+                 512K: 640 vs 605     1M: 1137 vs 857   4M: 4337 vs 2522   -> two-shot from 512K
+        8 ranks   64K: 598 vs 955   128K: 879-912 vs 840-1169  256K: 1306 vs 1023
+                 512K: 2113 vs 1461   1M: 3715 vs 1996   4M: 14183 vs 6488  -> two-shot from 256K
+
+    With torch-op reductions (no compiler) the crossovers are 32K (4 ranks) and 16K (8 ranks):
+    torch's 16-bit sum over many rows is slow, so one-shot's W-row sums cost more. Two ranks
+    with torch ops, one-shot vs two-shot: 64K 52 vs 65, 256K 148 vs 90, 1M 467 vs 296
+    -> two-shot from 256K as with the compiled sum.
 
     Re-measure on the target host and set TPSERVE_SHM_TWO_SHOT_BYTES (or
     ShmConfig.two_shot_bytes) if it differs.
     """
     if world <= 2:
         return 256 << 10
-    return 32 << 10 if world <= 4 else 16 << 10
+    if not native:
+        return 32 << 10 if world <= 4 else 16 << 10
+    return 512 << 10 if world <= 4 else 256 << 10
 
 
 @dataclass(frozen=True)
@@ -192,7 +198,9 @@ class ShmAllReduce(AllReduce):
                                "not build it; set TPSERVE_SHM_NATIVE=0 on every rank")
         self._native = native if self.config.native else None
         two_shot = self.config.two_shot_bytes
-        self._two_shot_bytes = default_two_shot_bytes(self.world_size) if two_shot is None else two_shot
+        if two_shot is None:
+            two_shot = default_two_shot_bytes(self.world_size, native=self._native is not None)
+        self._two_shot_bytes = two_shot
 
     # ----------------------------------------------------------------- views
     def _base(self, dtype: torch.dtype) -> torch.Tensor:
