@@ -16,14 +16,13 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from tokenizers import Tokenizer
 
-from tpserve.engine.detokenizer import IncrementalDetokenizer, StopChecker
 from tpserve.engine.engine import Engine
 from tpserve.engine.kv_cache import KVCache, KVCacheConfig, PageAllocator
-from tpserve.engine.request import Request
+from tpserve.engine.request import Request, new_request
 from tpserve.engine.runner import ModelRunner
-from tpserve.engine.sampler import make_generator
 from tpserve.engine.sampling_params import SamplingParams
 from tpserve.engine.scheduler import Scheduler, SchedulerConfig
+from tpserve.engine.warmup import run_to_completion
 from tpserve.layers.tp import TPContext
 from tpserve.models.registry import build_model
 
@@ -116,11 +115,7 @@ def byte_tokenizer() -> Tokenizer:
 
 def make_request(rid: str, ids: list[int], params: SamplingParams, eos: frozenset[int] = frozenset(),
                  seed: int = 0) -> Request:
-    tok = byte_tokenizer()
-    return Request(rid=rid, prompt_ids=list(ids), params=params,
-                   generator=make_generator(params.seed, seed),
-                   detok=IncrementalDetokenizer(tok, params.skip_special_tokens, ids),
-                   stop=StopChecker(params.stop), emit=lambda out: None, eos_ids=eos)
+    return new_request(rid, ids, params, byte_tokenizer(), eos, seed, lambda out: None)
 
 
 def build_engine(model_dir: Path, tp: TPContext, channel: Any = None, pages: int = 64,
@@ -137,11 +132,6 @@ def build_engine(model_dir: Path, tp: TPContext, channel: Any = None, pages: int
 
 
 def run_all(engine: Engine, reqs: list[Request]) -> list[list[int]]:
-    """Drive the engine synchronously until every request finishes."""
-    for req in reqs:
-        engine.scheduler.add(req)
-    while engine.scheduler.has_work():
-        batch = engine.scheduler.next_batch()
-        assert batch is not None, "scheduler stalled with work left"
-        engine.step(batch)
+    """Drive the engine synchronously until every request finishes (raises if it stalls)."""
+    run_to_completion(engine, reqs)
     return [r.output_ids for r in reqs]

@@ -98,6 +98,10 @@ class CommSwitch:
     def stats(self) -> dict[str, object]:
         return {name: b.stats.snapshot() for name, b in self.backends.items()}
 
+    def reset_stats(self) -> None:
+        for backend in self.backends.values():
+            backend.stats.reset()
+
     def close(self) -> None:
         for backend in self.backends.values():
             backend.close()

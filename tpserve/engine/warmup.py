@@ -15,6 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from tpserve.engine.engine import EngineStats
 from tpserve.engine.request import Request
 from tpserve.engine.sampling_params import SamplingParams
 
@@ -53,13 +54,18 @@ def warmup_prompts(shape: WarmupShape, vocab_size: int) -> list[list[int]]:
 
 
 def run_to_completion(engine: Any, requests: list[Request]) -> None:
-    """Drive ``engine`` synchronously (no engine thread yet) until ``requests`` finish."""
+    """Drive ``engine`` synchronously (no engine thread) until ``requests`` finish.
+
+    Nothing else can free pages here, so a step the scheduler cannot form would never form:
+    raise rather than spin.
+    """
     for req in requests:
         engine.scheduler.add(req)
     while engine.scheduler.has_work():
         batch = engine.scheduler.next_batch()
-        if batch is not None:
-            engine.step(batch)
+        if batch is None:
+            raise RuntimeError("scheduler stalled with work left (KV cache too small?)")
+        engine.step(batch)
 
 
 def warm_up(engine: Any, make_request: RequestFactory, shape: WarmupShape, vocab_size: int) -> float:
@@ -72,9 +78,11 @@ def warm_up(engine: Any, make_request: RequestFactory, shape: WarmupShape, vocab
 
 
 def _forget(engine: Any) -> None:
-    """Counters start at zero when serving starts: the warm-up is not traffic."""
+    """Counters start at zero when serving starts: the warm-up is not traffic.
+
+    The allreduce counters go first: the profiler's reset snapshots them as its baseline.
+    """
+    if engine.runner.comm is not None:
+        engine.runner.comm.reset_stats()
     engine.reset_stats()
-    engine.stats = type(engine.stats)()
-    comm = engine.runner.comm
-    for backend in (comm.backends.values() if comm is not None else ()):
-        backend.stats.reset()
+    engine.stats = EngineStats()
