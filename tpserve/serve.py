@@ -8,7 +8,6 @@ from __future__ import annotations
 import itertools
 import json
 import logging
-import os
 import threading
 import time
 from collections.abc import Callable
@@ -175,7 +174,7 @@ def run_warmup(args: ServerArgs, setup: RankSetup, engine: Engine, tokenizer: To
 
 def start_responder(args: ServerArgs) -> StartupResponder | None:
     """Rank 0 listens from the first second (503 until ready); other ranks serve no HTTP."""
-    if os.environ.get("RANK", "0") != "0":
+    if rank_info(args.device).rank != 0:
         return None
     responder = StartupResponder(bind_listener(args.host, args.port)).start()
     log.info("listening on http://%s:%d (503 until ready)", args.host, args.port)

@@ -10,13 +10,14 @@ that arrive during the hand-over wait in the kernel's backlog instead of being r
 
 from __future__ import annotations
 
-import json
 import logging
 import socket
 import threading
 from typing import Any
 
 import uvicorn
+
+from tpserve.server.http import error
 
 log = logging.getLogger("tpserve")
 RETRY_AFTER_S = 5
@@ -46,13 +47,9 @@ class StartingApp:
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] != "http":
             return  # lifespan is off; nothing else is served
-        body = json.dumps({"error": {"message": f"server is starting ({self.phase})",
-                                     "type": "unavailable", "code": 503}}).encode()
-        await send({"type": "http.response.start", "status": 503,
-                    "headers": [(b"content-type", b"application/json"),
-                                (b"retry-after", str(RETRY_AFTER_S).encode()),
-                                (b"content-length", str(len(body)).encode())]})
-        await send({"type": "http.response.body", "body": body})
+        # The same error body every endpoint uses once the real app is up.
+        reply = error(503, f"server is starting ({self.phase})", {"Retry-After": str(RETRY_AFTER_S)})
+        await reply(scope, receive, send)
 
 
 class StartupResponder:
