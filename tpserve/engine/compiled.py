@@ -16,9 +16,9 @@ at TP > 1 each allreduce is a graph break that runs eagerly between compiled pie
 
 Outputs must not change. Inductor keeps every op that rounds where eager rounds
 (``emulate_precision_casts``), does not fold "residual + x @ W" into one addmm
-(``pattern_matcher`` off), and reductions whose order matters run as opaque ATen calls
-(``tpserve::mean_square`` in RMSNorm, ``tpserve::gemv`` for batch-1 projections), so only
-pointwise chains are fused. Tests and launch/bench_compile.py check greedy tokens are
+(``pattern_matcher`` off), and reductions whose order matters run as opaque ops that eager
+calls too (``tpserve::mean_square`` in RMSNorm, ``tpserve::gemv`` for batch-1 projections; C++
+ops from ``layers/cpu_ops``, ~3 us a call), so only pointwise chains are fused. Tests and launch/bench_compile.py check greedy tokens are
 identical to eager (bf16 included).
 """
 

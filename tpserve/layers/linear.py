@@ -13,19 +13,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tpserve.layers import cpu_ops
 from tpserve.layers.tp import TPContext, divide
-
-
-@torch.library.custom_op("tpserve::gemv", mutates_args=())
-def gemv(weight: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    """weight [O, I] @ x [I] -> [O]: ATen's matrix-vector kernel, opaque to inductor so compiled
-    decode keeps eager's exact accumulation order (and its speed)."""
-    return torch.mv(weight, x)
-
-
-@gemv.register_fake
-def _(weight: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    return x.new_empty(weight.shape[0])
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
@@ -33,16 +22,18 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     """``F.linear``, but a single CPU row (batch-1 decode) uses a matrix-vector product.
 
     For one token ATen's CPU matmul (a oneDNN gemm) streams bf16 weights at 1/2 to 1/3 the
-    rate of the gemv kernel (1 thread: 6-8 vs 13-17 GB/s for decode-sized weights), and
-    batch-1 decode is nothing but streaming weights.
+    rate of a gemv kernel, and batch-1 decode is nothing but streaming weights. The gemv is
+    ``tpserve::gemv`` (``cpu_ops``): our kernel for 16-bit weights on one thread, else
+    ``torch.mv``; opaque to inductor, so compiled decode rounds exactly like eager.
     """
     if x.dim() != 2 or x.shape[0] != 1 or x.device.type != "cpu":
         return F.linear(x, weight, bias)
-    y = (gemv(weight, x[0]) if torch.compiler.is_compiling() else torch.mv(weight, x[0]))[None]
+    y = torch.ops.tpserve.gemv(weight, x[0])[None]
     return y if bias is None else y + bias
 
 
 def _param(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> nn.Parameter:
+    cpu_ops.load()  # every layer with weights may call tpserve ops: define them first
     # torch.empty: real weights come from the checkpoint; random init would only cost time.
     return nn.Parameter(torch.empty(shape, dtype=dtype, device=device), requires_grad=False)
 

@@ -1,0 +1,173 @@
+"""tpserve's dispatcher ops (tpserve/layers/cpu_ops.cpp + gemv.c) against references.
+
+- ``tpserve::gemv`` with 16-bit weights on one thread runs our kernel: it must be within one
+  ulp of the float64 product (fp32 accumulation, one rounding), keep NaN / inf / subnormals,
+  handle any row count and column tail, strided weights, and give a row the same bits whatever
+  rows surround it (eager and compiled decode, and every batch, must agree).
+- Everywhere else (fp32 weights, several threads, ``TPSERVE_NATIVE_GEMV=0``) it is ``torch.mv``
+  bit for bit; ``tpserve::mean_square`` is always ATen's pow + mean bit for bit.
+- The C++ library must build here (CI has g++): falling back to Python ops silently would
+  lose the decode speed, so that is a failure, not a skip. The fallback itself is tested in a
+  subprocess.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from comm_backends.native_build import FLAGS, build, compiler
+from tpserve.layers import cpu_ops
+
+ROWS = (1, 3, 4, 5, 17, 64)
+COLS = (1, 7, 31, 32, 33, 100, 512, 1408)
+
+
+@pytest.fixture(autouse=True)
+def one_thread() -> Iterator[None]:
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def test_the_cpp_ops_build_here() -> None:
+    loaded = cpu_ops.load()
+    assert loaded.impl == "c++", loaded.reason
+    assert torch.ops.tpserve.gemv_lanes() in (8, 16)
+
+
+def _ulp(y: torch.Tensor) -> torch.Tensor:
+    """One unit in the last place of each value of a 16-bit tensor (as float64)."""
+    bits = {torch.bfloat16: 8, torch.float16: 11}[y.dtype]
+    tiny = torch.finfo(y.dtype).tiny
+    mag = y.double().abs().clamp_min(tiny)
+    return torch.exp2(torch.floor(torch.log2(mag)) - (bits - 1))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("rows", ROWS)
+@pytest.mark.parametrize("cols", COLS)
+def test_gemv_within_one_ulp_of_float64(dtype: torch.dtype, rows: int, cols: int) -> None:
+    gen = torch.Generator().manual_seed(rows * 1000 + cols)
+    w = torch.randn(rows, cols, generator=gen).to(dtype)
+    x = torch.randn(cols, generator=gen).to(dtype)
+    ref = w.double() @ x.double()
+    y = torch.ops.tpserve.gemv(w, x)
+    assert y.dtype == dtype and y.shape == (rows,)
+    # fp32 accumulation of <= 1408 terms of size ~1 is far below one output ulp, plus the
+    # final rounding (half an ulp): one ulp of the reference bounds both.
+    assert ((y.double() - ref).abs() <= _ulp(ref.to(dtype))).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_a_row_gets_the_same_bits_in_any_block(dtype: torch.dtype) -> None:
+    gen = torch.Generator().manual_seed(7)
+    w = torch.randn(37, 515, generator=gen).to(dtype)
+    x = torch.randn(515, generator=gen).to(dtype)
+    full = torch.ops.tpserve.gemv(w, x)
+    for start in range(37):
+        for size in (1, 2, 3, 5):
+            part = torch.ops.tpserve.gemv(w[start:start + size], x)
+            assert torch.equal(part, full[start:start + size])
+
+
+def test_strided_weight_rows() -> None:
+    gen = torch.Generator().manual_seed(3)
+    big = torch.randn(40, 700, generator=gen).bfloat16()
+    w = big[3:30, 100:612]  # row stride 700, offset storage
+    x = torch.randn(512, generator=gen).bfloat16()
+    assert torch.equal(torch.ops.tpserve.gemv(w, x), torch.ops.tpserve.gemv(w.contiguous(), x))
+
+
+def test_special_values() -> None:
+    w = torch.ones(6, 40, dtype=torch.bfloat16)
+    x = torch.ones(40, dtype=torch.bfloat16)
+    w[0, 5] = float("nan")
+    w[1, 39] = float("inf")  # in the scalar tail
+    w[2, 0] = float("-inf")
+    w[3, :] = 0
+    sub = torch.finfo(torch.bfloat16).tiny / 8  # a bf16 subnormal
+    w[4, :] = 0
+    w[4, 1] = sub
+    w[5, 2], w[5, 3] = float("inf"), float("-inf")
+    y = torch.ops.tpserve.gemv(w, x).float()
+    assert torch.isnan(y[0]) and y[1] == float("inf") and y[2] == float("-inf")
+    assert y[3] == 0 and y[4] == torch.tensor(sub, dtype=torch.bfloat16).float()
+    assert torch.isnan(y[5])
+
+
+def test_rounding_is_nearest_even() -> None:
+    # 1 + 2^-8 lies exactly between two bf16 values: nearest-even gives 1.0; 1 + 3 * 2^-8 is
+    # between 1 + 2^-7 and 1 + 2^-6 ... the tie goes to the even mantissa, 1 + 2^-6.
+    w = torch.tensor([[1.0, 2.0 ** -8], [1.0, 3 * 2.0 ** -8]], dtype=torch.bfloat16)
+    y = torch.ops.tpserve.gemv(w, torch.ones(2, dtype=torch.bfloat16))
+    assert y.tolist() == [1.0, 1.0 + 2.0 ** -6]
+
+
+@pytest.mark.parametrize("case", ["fp32", "threads"])
+def test_outside_the_kernel_it_is_torch_mv(case: str) -> None:
+    gen = torch.Generator().manual_seed(11)
+    dtype = torch.float32 if case == "fp32" else torch.bfloat16
+    w = torch.randn(300, 517, generator=gen).to(dtype)
+    x = torch.randn(517, generator=gen).to(dtype)
+    if case == "threads":
+        torch.set_num_threads(2)
+    assert torch.equal(torch.ops.tpserve.gemv(w, x), torch.mv(w, x))
+
+
+def test_mean_square_is_aten_bit_for_bit() -> None:
+    x = torch.randn(5, 4099, generator=torch.Generator().manual_seed(5)) * 30
+    assert torch.equal(torch.ops.tpserve.mean_square(x), x.pow(2).mean(-1, keepdim=True))
+
+
+_FALLBACK = """
+import torch
+from comm_backends.native_build import FLAGS, build, compiler
+from tpserve.layers import cpu_ops
+torch.set_num_threads(1)
+loaded = cpu_ops.load()
+w = torch.randn(33, 129).bfloat16(); x = torch.randn(129).bfloat16()
+assert torch.equal(torch.ops.tpserve.gemv(w, x), torch.mv(w, x))
+x32 = torch.randn(3, 77)
+assert torch.equal(torch.ops.tpserve.mean_square(x32), x32.pow(2).mean(-1, keepdim=True))
+print(loaded.impl, torch.ops.tpserve.gemv_lanes())
+"""
+
+
+@pytest.mark.parametrize(("env", "expected"), [("TPSERVE_CPU_OPS", "python 0"),
+                                               ("TPSERVE_NATIVE_GEMV", "c++ 0")])
+def test_switches_fall_back_to_torch(env: str, expected: str) -> None:
+    out = subprocess.run([sys.executable, "-c", _FALLBACK], env={**os.environ, env: "0"},
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split()[-2:] == expected.split()
+
+
+def test_avx2_build_within_one_ulp() -> None:
+    """The 8-lane AVX2 path (CPUs without AVX-512), built from the same gemv.c via ctypes."""
+    source = Path(cpu_ops.__file__).with_name("gemv.c")
+    cc = compiler()
+    assert cc is not None
+    lib = ctypes.CDLL(str(build(source, cc, (*FLAGS, "-mno-avx512f"))))
+    lib.gemv_lanes.restype = ctypes.c_int32
+    assert lib.gemv_lanes() == 8
+    fn = lib.gemv_bf16
+    fn.restype = ctypes.c_int32
+    fn.argtypes = (ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64,
+                   ctypes.c_int64, ctypes.c_void_p)
+    gen = torch.Generator().manual_seed(13)
+    for rows, cols in [(5, 7), (17, 33), (64, 1408)]:
+        w = torch.randn(rows, cols, generator=gen).bfloat16()
+        x = torch.randn(cols, generator=gen).bfloat16()
+        y = torch.empty(rows, dtype=torch.bfloat16)
+        assert fn(w.data_ptr(), cols, x.data_ptr(), rows, cols, y.data_ptr()) == 0
+        ref = w.double() @ x.double()
+        assert ((y.double() - ref).abs() <= _ulp(ref.to(torch.bfloat16))).all()
