@@ -1,9 +1,9 @@
 """RMSNorm computed in float32 and cast back, matching the Hugging Face reference.
 
-The mean of squares is an opaque op (``tpserve::mean_square``, see ``cpu_ops``) running ATen's
-reduction, in eager and compiled decode alike: inductor's own fused reduction sums in a
-different order, and the resulting ulp-level differences can flip near-tied greedy tokens.
-The pointwise rest of the norm still fuses.
+The mean of squares is an opaque op (``tpserve::mean_square``, see ``cpu_ops.cpp``: an fp64
+sum in a fixed order on CPU), in eager and compiled decode alike: inductor's own fused
+reduction sums in a different order, and the resulting ulp-level differences can flip
+near-tied greedy tokens. The pointwise rest of the norm still fuses.
 """
 
 from __future__ import annotations
