@@ -1,11 +1,12 @@
 """tpserve's dispatcher ops (tpserve/layers/cpu_ops.cpp + gemv.c) against references.
 
-- ``tpserve::gemv`` with 16-bit weights on one thread runs our kernel: it must be within one
-  ulp of the float64 product (fp32 accumulation, one rounding), keep NaN / inf / subnormals,
-  handle any row count and column tail, strided weights, and give a row the same bits whatever
-  rows surround it (eager and compiled decode, and every batch, must agree).
-- Everywhere else (fp32 weights, several threads, ``TPSERVE_NATIVE_GEMV=0``) it is ``torch.mv``
-  bit for bit.
+- ``tpserve::small_matmul(x, w)`` (x @ w^T) with 16-bit weights on one thread runs our kernel:
+  within one ulp of the float64 product (fp32 accumulation, one rounding), NaN / inf /
+  subnormals kept, any row count, column tail and row stride; and an output row gets the same
+  bits whatever other rows are in the call (plain decode and a verify batch must agree, as
+  must eager and compiled decode).
+- Everywhere else (fp32 weights, several threads, ``TPSERVE_NATIVE_GEMV=0``) it is what ran
+  before, bit for bit: ``torch.mv`` for one row, ``F.linear`` for more.
 - ``tpserve::mean_square`` of contiguous fp32 CPU rows is within one fp32 rounding of the
   float64 value and independent of the thread count; other inputs get ATen's pow + mean.
 - The C++ library must build here (CI has g++): falling back to Python ops silently would
@@ -28,12 +29,14 @@ import torch
 from comm_backends.native_build import FLAGS, build, compiler
 from tpserve.layers import cpu_ops
 
-ROWS = (1, 3, 4, 5, 17, 64)
-COLS = (1, 7, 31, 32, 33, 100, 512, 1408)
+OUT = (1, 3, 4, 5, 17, 64)  # weight rows: the 4-row tile and its remainder
+COLS = (1, 7, 31, 32, 33, 100, 512, 1408)  # vector blocks of 32 (AVX-512) and the scalar tail
+XROWS = (1, 2, 8, 9)  # one pass of up to 8 x rows, then a second pass
 
 
 @pytest.fixture(autouse=True)
 def one_thread() -> Iterator[None]:
+    cpu_ops.load()  # what every model layer does before it runs
     before = torch.get_num_threads()
     torch.set_num_threads(1)
     yield
@@ -54,44 +57,57 @@ def _ulp(y: torch.Tensor) -> torch.Tensor:
     return torch.exp2(torch.floor(torch.log2(mag)) - (bits - 1))
 
 
+def _bound(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """Worst-case error of the kernel's sum: the output's final rounding (one ulp of the exact
+    value covers half an ulp either side of a boundary) plus fp32 summation error, which is at
+    most depth * 2^-24 * sum |w x| for a summation tree of that depth (per lane: one add per
+    32-column block; then the two halves, four tree levels, and the tail columns)."""
+    cols = x.shape[1]
+    depth = cols // 32 + 1 + 4 + cols % 32
+    ref = x.double() @ w.double().T
+    return _ulp(ref.to(x.dtype)) + depth * 2.0 ** -24 * (x.double().abs() @ w.double().abs().T)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("rows", ROWS)
+@pytest.mark.parametrize("out", OUT)
 @pytest.mark.parametrize("cols", COLS)
-def test_gemv_within_one_ulp_of_float64(dtype: torch.dtype, rows: int, cols: int) -> None:
-    gen = torch.Generator().manual_seed(rows * 1000 + cols)
-    w = torch.randn(rows, cols, generator=gen).to(dtype)
-    x = torch.randn(cols, generator=gen).to(dtype)
-    ref = w.double() @ x.double()
-    y = torch.ops.tpserve.gemv(w, x)
-    assert y.dtype == dtype and y.shape == (rows,)
-    # fp32 accumulation of <= 1408 terms of size ~1 is far below one output ulp, plus the
-    # final rounding (half an ulp): one ulp of the reference bounds both.
-    assert ((y.double() - ref).abs() <= _ulp(ref.to(dtype))).all()
+@pytest.mark.parametrize("m", XROWS)
+def test_within_one_ulp_of_float64(dtype: torch.dtype, out: int, cols: int, m: int) -> None:
+    gen = torch.Generator().manual_seed(out * 10000 + cols * 10 + m)
+    w = torch.randn(out, cols, generator=gen).to(dtype)
+    x = torch.randn(m, cols, generator=gen).to(dtype)
+    y = torch.ops.tpserve.small_matmul(x, w)
+    assert y.dtype == dtype and y.shape == (m, out)
+    assert ((y.double() - x.double() @ w.double().T).abs() <= _bound(x, w)).all()
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_a_row_gets_the_same_bits_in_any_block(dtype: torch.dtype) -> None:
+def test_a_row_gets_the_same_bits_in_any_call(dtype: torch.dtype) -> None:
     gen = torch.Generator().manual_seed(7)
     w = torch.randn(37, 515, generator=gen).to(dtype)
-    x = torch.randn(515, generator=gen).to(dtype)
-    full = torch.ops.tpserve.gemv(w, x)
-    for start in range(37):
+    x = torch.randn(17, 515, generator=gen).to(dtype)
+    full = torch.ops.tpserve.small_matmul(x, w)
+    for i in range(17):  # x rows alone vs in a batch of 17 (passes of 8, 8, 1)
+        assert torch.equal(torch.ops.tpserve.small_matmul(x[i:i + 1], w), full[i:i + 1])
+    for start in range(37):  # weight rows in 4-row tiles vs alone
         for size in (1, 2, 3, 5):
-            part = torch.ops.tpserve.gemv(w[start:start + size], x)
-            assert torch.equal(part, full[start:start + size])
+            part = torch.ops.tpserve.small_matmul(x[:3], w[start:start + size])
+            assert torch.equal(part, full[:3, start:start + size])
 
 
-def test_strided_weight_rows() -> None:
+def test_strided_rows() -> None:
     gen = torch.Generator().manual_seed(3)
     big = torch.randn(40, 700, generator=gen).bfloat16()
     w = big[3:30, 100:612]  # row stride 700, offset storage
-    x = torch.randn(512, generator=gen).bfloat16()
-    assert torch.equal(torch.ops.tpserve.gemv(w, x), torch.ops.tpserve.gemv(w.contiguous(), x))
+    xs = torch.randn(5, 600, generator=gen).bfloat16()
+    x = xs[:, 50:562]
+    expect = torch.ops.tpserve.small_matmul(x.contiguous(), w.contiguous())
+    assert torch.equal(torch.ops.tpserve.small_matmul(x, w), expect)
 
 
 def test_special_values() -> None:
     w = torch.ones(6, 40, dtype=torch.bfloat16)
-    x = torch.ones(40, dtype=torch.bfloat16)
+    x = torch.ones(1, 40, dtype=torch.bfloat16)
     w[0, 5] = float("nan")
     w[1, 39] = float("inf")  # in the scalar tail
     w[2, 0] = float("-inf")
@@ -100,29 +116,31 @@ def test_special_values() -> None:
     w[4, :] = 0
     w[4, 1] = sub
     w[5, 2], w[5, 3] = float("inf"), float("-inf")
-    y = torch.ops.tpserve.gemv(w, x).float()
+    y = torch.ops.tpserve.small_matmul(x, w)[0].float()
     assert torch.isnan(y[0]) and y[1] == float("inf") and y[2] == float("-inf")
     assert y[3] == 0 and y[4] == torch.tensor(sub, dtype=torch.bfloat16).float()
     assert torch.isnan(y[5])
 
 
 def test_rounding_is_nearest_even() -> None:
-    # 1 + 2^-8 lies exactly between two bf16 values: nearest-even gives 1.0; 1 + 3 * 2^-8 is
-    # between 1 + 2^-7 and 1 + 2^-6 ... the tie goes to the even mantissa, 1 + 2^-6.
+    # 1 + 2^-8 lies halfway between the bf16 values 1 and 1 + 2^-7: the tie goes to the even
+    # mantissa, 1. 1 + 3 * 2^-8 lies halfway between 1 + 2^-7 and 1 + 2^-6: it goes to 1 + 2^-6.
     w = torch.tensor([[1.0, 2.0 ** -8], [1.0, 3 * 2.0 ** -8]], dtype=torch.bfloat16)
-    y = torch.ops.tpserve.gemv(w, torch.ones(2, dtype=torch.bfloat16))
-    assert y.tolist() == [1.0, 1.0 + 2.0 ** -6]
+    y = torch.ops.tpserve.small_matmul(torch.ones(1, 2, dtype=torch.bfloat16), w)
+    assert y[0].tolist() == [1.0, 1.0 + 2.0 ** -6]
 
 
 @pytest.mark.parametrize("case", ["fp32", "threads"])
-def test_outside_the_kernel_it_is_torch_mv(case: str) -> None:
+@pytest.mark.parametrize("m", [1, 4])
+def test_outside_the_kernel_it_is_aten(case: str, m: int) -> None:
     gen = torch.Generator().manual_seed(11)
     dtype = torch.float32 if case == "fp32" else torch.bfloat16
     w = torch.randn(300, 517, generator=gen).to(dtype)
-    x = torch.randn(517, generator=gen).to(dtype)
+    x = torch.randn(m, 517, generator=gen).to(dtype)
     if case == "threads":
         torch.set_num_threads(2)
-    assert torch.equal(torch.ops.tpserve.gemv(w, x), torch.mv(w, x))
+    expect = torch.mv(w, x[0])[None] if m == 1 else torch.nn.functional.linear(x, w)
+    assert torch.equal(torch.ops.tpserve.small_matmul(x, w), expect)
 
 
 def test_mean_square_within_an_ulp_of_float64_on_any_thread_count() -> None:
@@ -153,8 +171,9 @@ from comm_backends.native_build import FLAGS, build, compiler
 from tpserve.layers import cpu_ops
 torch.set_num_threads(1)
 loaded = cpu_ops.load()
-w = torch.randn(33, 129).bfloat16(); x = torch.randn(129).bfloat16()
-assert torch.equal(torch.ops.tpserve.gemv(w, x), torch.mv(w, x))
+w = torch.randn(33, 129).bfloat16(); x = torch.randn(3, 129).bfloat16()
+assert torch.equal(torch.ops.tpserve.small_matmul(x[:1], w), torch.mv(w, x[0])[None])
+assert torch.equal(torch.ops.tpserve.small_matmul(x, w), torch.nn.functional.linear(x, w))
 x32 = torch.randn(3, 77)
 assert torch.allclose(torch.ops.tpserve.mean_square(x32), x32.pow(2).mean(-1, keepdim=True),
                       rtol=1e-6, atol=0)
@@ -179,15 +198,14 @@ def test_avx2_build_within_one_ulp() -> None:
     lib = ctypes.CDLL(str(build(source, cc, (*FLAGS, "-mno-avx512f"))))
     lib.gemv_lanes.restype = ctypes.c_int32
     assert lib.gemv_lanes() == 8
-    fn = lib.gemv_bf16
+    fn = lib.gemm_bf16
     fn.restype = ctypes.c_int32
     fn.argtypes = (ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64,
-                   ctypes.c_int64, ctypes.c_void_p)
+                   ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64)
     gen = torch.Generator().manual_seed(13)
-    for rows, cols in [(5, 7), (17, 33), (64, 1408)]:
+    for m, rows, cols in [(1, 5, 7), (3, 17, 33), (9, 64, 1408)]:
         w = torch.randn(rows, cols, generator=gen).bfloat16()
-        x = torch.randn(cols, generator=gen).bfloat16()
-        y = torch.empty(rows, dtype=torch.bfloat16)
-        assert fn(w.data_ptr(), cols, x.data_ptr(), rows, cols, y.data_ptr()) == 0
-        ref = w.double() @ x.double()
-        assert ((y.double() - ref).abs() <= _ulp(ref.to(torch.bfloat16))).all()
+        x = torch.randn(m, cols, generator=gen).bfloat16()
+        y = torch.empty(m, rows, dtype=torch.bfloat16)
+        assert fn(w.data_ptr(), cols, x.data_ptr(), cols, m, rows, cols, y.data_ptr(), rows) == 0
+        assert ((y.double() - x.double() @ w.double().T).abs() <= _bound(x, w)).all()

@@ -17,8 +17,9 @@ at TP > 1 each allreduce is a graph break that runs eagerly between compiled pie
 Outputs must not change. Inductor keeps every op that rounds where eager rounds
 (``emulate_precision_casts``), does not fold "residual + x @ W" into one addmm
 (``pattern_matcher`` off), and reductions whose order matters run as opaque ops that eager
-calls too (``tpserve::mean_square`` in RMSNorm, ``tpserve::gemv`` for batch-1 projections; C++
-ops from ``layers/cpu_ops``, ~3 us a call), so only pointwise chains are fused. Tests and launch/bench_compile.py check greedy tokens are
+calls too (``tpserve::mean_square`` in RMSNorm, ``tpserve::small_matmul`` for projections of
+a few rows: C++ ops from ``layers/cpu_ops``, ~3 us a call), so only pointwise chains are
+fused. Tests and launch/bench_compile.py check greedy tokens are
 identical to eager (bf16 included).
 """
 

@@ -4,8 +4,11 @@
 // a step (33 projections, 17 norms on the 8-layer bench model), and a Python-defined op costs
 // 17-29 us of dispatch per call against ~4 us here, i.e. ~1 ms of a ~10 ms step.
 //
-// tpserve::gemv(weight [O, I], x [I]) -> [O]: batch-1 projections. 16-bit CPU weights on one
-//   intra-op thread go through gemv.c (twice ATen's bf16 mv rate); anything else is at::mv.
+// tpserve::small_matmul(x [M, I], weight [O, I]) -> x @ weight^T [M, O]: projections of a few
+//   rows (batch-1 decode, speculative verify of a few tokens). 16-bit CPU weights on one
+//   intra-op thread go through gemv.c, which reads the weights once for up to 8 rows (1 row:
+//   twice ATen's bf16 mv rate; 4 rows: 1.6x oneDNN's linear); anything else is what tpserve
+//   ran before: at::mv for one row, at::linear for more.
 // tpserve::mean_square(x) -> mean(x^2) over the last dim, keepdim: RMSNorm's reduction. For
 //   contiguous CPU fp32 rows it is one pass here (8 fp64 partial sums in a fixed order, then
 //   one rounding: within an ulp of the exact value, and the same bits on any thread count),
@@ -14,10 +17,11 @@
 //   compiled decode bit-equal to eager.
 //
 // Both are opaque to inductor, so compiled decode rounds exactly like eager (which calls the
-// same ops). TPSERVE_NATIVE_GEMV=0 (read once, at load) keeps at::mv for every projection.
+// same ops). TPSERVE_NATIVE_GEMV=0 (read once, at load) keeps ATen for every projection.
 #include <ATen/core/Tensor.h>
 #include <ATen/Parallel.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/linear.h>
 #include <ATen/ops/mv.h>
 #include <torch/library.h>
 
@@ -40,32 +44,33 @@ bool native_enabled() {
     return enabled;
 }
 
-bool native_fits(const at::Tensor &w, const at::Tensor &x) {
+bool native_fits(const at::Tensor &x, const at::Tensor &w) {
     auto dt = w.scalar_type();
     return native_enabled() && (dt == at::kBFloat16 || dt == at::kHalf) && x.scalar_type() == dt &&
-           w.device().is_cpu() && x.device().is_cpu() && w.dim() == 2 && x.dim() == 1 &&
-           x.size(0) == w.size(1) && w.stride(1) == 1 && x.is_contiguous() &&
-           // Single-threaded kernel: with more threads ATen's parallel mv is faster.
+           w.device().is_cpu() && x.device().is_cpu() && w.dim() == 2 && x.dim() == 2 &&
+           x.size(1) == w.size(1) && w.stride(1) == 1 && x.stride(1) == 1 &&
+           // Single-threaded kernel: with more threads ATen's parallel kernels are faster.
            at::get_num_threads() == 1;
 }
 
-at::Tensor gemv(const at::Tensor &weight, const at::Tensor &x) {
+at::Tensor small_matmul(const at::Tensor &x, const at::Tensor &weight) {
 #if LANES
-    if (native_fits(weight, x)) {
-        const int64_t rows = weight.size(0), cols = weight.size(1);
-        at::Tensor y = at::empty({rows}, weight.options());
+    if (native_fits(x, weight)) {
+        const int64_t m = x.size(0), rows = weight.size(0), cols = weight.size(1);
+        at::Tensor y = at::empty({m, rows}, weight.options());
         auto *w = static_cast<const uint16_t *>(weight.const_data_ptr());
         auto *xh = static_cast<const uint16_t *>(x.const_data_ptr());
         auto *out = static_cast<uint16_t *>(y.mutable_data_ptr());
-        const int64_t ldw = weight.stride(0) > cols ? weight.stride(0) : cols;
+        const int64_t ldw = std::max(weight.stride(0), cols), ldx = std::max(x.stride(0), cols);
         int32_t status = weight.scalar_type() == at::kBFloat16
-                             ? gemv_bf16(w, ldw, xh, rows, cols, out)
-                             : gemv_f16(w, ldw, xh, rows, cols, out);
+                             ? gemm_bf16(w, ldw, xh, ldx, m, rows, cols, out, rows)
+                             : gemm_f16(w, ldw, xh, ldx, m, rows, cols, out, rows);
         if (status != 0) throw std::bad_alloc();
         return y;
     }
 #endif
-    return at::mv(weight, x);
+    if (x.dim() == 2 && x.size(0) == 1) return at::mv(weight, x[0]).unsqueeze(0);
+    return at::linear(x, weight);
 }
 
 constexpr int kPartials = 8;
@@ -108,12 +113,12 @@ int64_t gemv_vector_lanes() { return native_enabled() ? LANES : 0; }
 }  // namespace
 
 TORCH_LIBRARY(tpserve, m) {
-    m.def("gemv(Tensor weight, Tensor x) -> Tensor");
+    m.def("small_matmul(Tensor x, Tensor weight) -> Tensor");
     m.def("mean_square(Tensor x) -> Tensor");
     m.def("gemv_lanes() -> int", &gemv_vector_lanes);
 }
 
 TORCH_LIBRARY_IMPL(tpserve, CompositeExplicitAutograd, m) {
-    m.impl("gemv", &gemv);
+    m.impl("small_matmul", &small_matmul);
     m.impl("mean_square", &mean_square);
 }

@@ -1,4 +1,4 @@
-"""tpserve's opaque ops (``tpserve::gemv``, ``tpserve::mean_square``): C++ where it builds.
+"""tpserve's opaque ops (``tpserve::small_matmul``, ``tpserve::mean_square``): C++ where it builds.
 
 What the ops do and why they are opaque: ``cpu_ops.cpp``. This module makes sure they exist
 before a model runs or is traced:
@@ -6,9 +6,9 @@ before a model runs or is traced:
 1. ``cpu_ops.cpp`` (which includes ``gemv.c``) is built with the host C++ compiler against the
    installed torch's headers at first use (~8 s once, then cached by ``native_build``) and
    loaded into the dispatcher. A call then costs ~3 us.
-2. Where that fails (no C++ compiler, no headers, ``TPSERVE_CPU_OPS=0``), the same two ops
-   are defined in Python with plain ``torch.mv`` and ATen's pow + mean: the same results as
-   eager ATen, ~20 us of dispatch per call, and the reason is logged once.
+2. Where that fails (no C++ compiler, no headers, ``TPSERVE_CPU_OPS=0``), the same ops are
+   defined in Python over ATen (``torch.mv`` / ``F.linear``, pow + mean): ~20 us of dispatch
+   per call, and the reason is logged once.
 
 Either way the fake (shape) functions that torch.compile needs are registered here, and eager
 and compiled decode call the same op, so they round the same.
@@ -23,6 +23,7 @@ from functools import cache
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 import torch.utils.cpp_extension
 
 from comm_backends.native_build import FLAGS, NativeBuildError, build, compiler
@@ -58,22 +59,26 @@ def _load_cpp() -> str:
     return ""
 
 
+def _aten_small_matmul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    return torch.mv(weight, x[0])[None] if x.shape[0] == 1 else F.linear(x, weight)
+
+
 def _define_python_ops() -> torch.library.Library:
     """The fallback: the same schemas, implemented with the ATen ops eager would call."""
     lib = torch.library.Library("tpserve", "DEF")
-    lib.define("gemv(Tensor weight, Tensor x) -> Tensor")
+    lib.define("small_matmul(Tensor x, Tensor weight) -> Tensor")
     lib.define("mean_square(Tensor x) -> Tensor")
     lib.define("gemv_lanes() -> int")
-    lib.impl("gemv", torch.mv, "CompositeExplicitAutograd")
+    lib.impl("small_matmul", _aten_small_matmul, "CompositeExplicitAutograd")
     lib.impl("mean_square", lambda x: x.pow(2).mean(-1, keepdim=True), "CompositeExplicitAutograd")
     lib.impl("gemv_lanes", lambda: 0, "CompositeExplicitAutograd")
     return lib
 
 
 def _register_fakes() -> None:
-    @torch.library.register_fake("tpserve::gemv")
-    def _(weight: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        return x.new_empty(weight.shape[0])
+    @torch.library.register_fake("tpserve::small_matmul")
+    def _(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return x.new_empty(x.shape[0], weight.shape[0])
 
     @torch.library.register_fake("tpserve::mean_square")
     def _(x: torch.Tensor) -> torch.Tensor:

@@ -28,7 +28,7 @@
  * projections of the 84 MB bench_compile model in sequence, GB/s (same run, two runs on a noisy
  * machine): torch.mv 12.6 / 9.2; 4 rows with no prefetch 10.1 / 7.6, 2 KB ahead 15.0 / 10.3,
  * 4 KB 18.9 / 11.8, 8 KB 21.1 / 12.1; at 4 KB, 2 rows 20.5 / 11.4 and 8 rows 12.9 / 8.9. */
-#define ROWS 4
+#define ROWS 4 /* the ROWS x 1 tile below is named tile_*_4_1 */
 #define PREFETCH_BYTES 8192
 
 static inline float bf16_to_f32(uint16_t h) {
@@ -144,54 +144,91 @@ static void f16_layout(const uint16_t *xh, int64_t k, float *x) {
     for (int64_t c = 0; c < k; c++) x[c] = f16_to_f32(xh[c]);
 }
 
-/* One pass over `nrows` <= ROWS rows sharing each x block. Per row: two accumulators (the
- * block's first and second halves), added together, then the lanes as a fixed tree, then the
- * tail columns one by one. The same sequence for every row whatever `nrows` is. */
-#define DEFINE_PASS(FMT)                                                                     \
-    static void pass_##FMT(const uint16_t *w, int64_t ldw, const float *x, int64_t k,        \
-                           int nrows, float *sums) {                                         \
-        vec a0[ROWS], a1[ROWS];                                                              \
-        for (int r = 0; r < ROWS; r++) a0[r] = a1[r] = vzero();                              \
-        int64_t c = 0;                                                                       \
-        for (; c + 2 * LANES <= k; c += 2 * LANES) {                                         \
-            vec x0 = vload(x + c), x1 = vload(x + c + LANES);                                \
-            for (int r = 0; r < nrows; r++) {                                                \
-                vec w0, w1;                                                                  \
-                _mm_prefetch((const char *)(w + r * ldw + c) + PREFETCH_BYTES, _MM_HINT_T0); \
-                FMT##_pair(w + r * ldw + c, &w0, &w1);                                       \
-                a0[r] = vfma(w0, x0, a0[r]);                                                 \
-                a1[r] = vfma(w1, x1, a1[r]);                                                 \
-            }                                                                                \
-        }                                                                                    \
-        for (int r = 0; r < nrows; r++) {                                                    \
-            float s = lanes_sum(vadd(a0[r], a1[r]));                                         \
-            for (int64_t t = c; t < k; t++) s = fmaf(FMT##_to_f32(w[r * ldw + t]), x[t], s); \
-            sums[r] = s;                                                                     \
-        }                                                                                    \
+/* A tile: R weight rows x X rows of x, every weight vector loaded once for all X. Per (weight row,
+ * x row) pair: two accumulators (the block's first and second halves), added together, then
+ * the lanes as a fixed tree, then the tail columns one by one -- the same sequence whatever the
+ * tile, so an output does not depend on which other rows were in the call (batch-invariant).
+ * `x` holds X rows of the fp32 layout, `ldxf` floats apart; sums[j * R + r]. */
+#define DEFINE_TILE(FMT, R, X)                                                                \
+    static void tile_##FMT##_##R##_##X(const uint16_t *w, int64_t ldw, const float *x,        \
+                                       int64_t ldxf, int64_t k, float *sums) {                \
+        vec a0[R][X], a1[R][X];                                                               \
+        for (int r = 0; r < R; r++)                                                           \
+            for (int j = 0; j < X; j++) a0[r][j] = a1[r][j] = vzero();                        \
+        int64_t c = 0;                                                                        \
+        for (; c + 2 * LANES <= k; c += 2 * LANES) {                                          \
+            for (int r = 0; r < R; r++) {                                                     \
+                vec w0, w1;                                                                   \
+                _mm_prefetch((const char *)(w + r * ldw + c) + PREFETCH_BYTES, _MM_HINT_T0);  \
+                FMT##_pair(w + r * ldw + c, &w0, &w1);                                        \
+                for (int j = 0; j < X; j++) {                                                 \
+                    a0[r][j] = vfma(w0, vload(x + j * ldxf + c), a0[r][j]);                   \
+                    a1[r][j] = vfma(w1, vload(x + j * ldxf + c + LANES), a1[r][j]);           \
+                }                                                                             \
+            }                                                                                 \
+        }                                                                                     \
+        for (int r = 0; r < R; r++)                                                           \
+            for (int j = 0; j < X; j++) {                                                     \
+                float s = lanes_sum(vadd(a0[r][j], a1[r][j]));                                \
+                for (int64_t t = c; t < k; t++)                                               \
+                    s = fmaf(FMT##_to_f32(w[r * ldw + t]), x[j * ldxf + t], s);               \
+                sums[j * R + r] = s;                                                          \
+            }                                                                                 \
     }
-DEFINE_PASS(bf16)
-DEFINE_PASS(f16)
 
-/* y[0:rows] = W[0:rows, 0:k] @ x; W rows are `ldw` elements apart. Returns 0, or -1 when the
- * fp32 copy of x cannot be allocated (the caller then falls back). */
-#define DEFINE_GEMV(FMT)                                                                     \
-    int32_t gemv_##FMT(const uint16_t *w, int64_t ldw, const uint16_t *xh, int64_t rows,     \
-                       int64_t k, uint16_t *y) {                                             \
-        float *x = (float *)malloc((size_t)(k > 0 ? k : 1) * sizeof(float));                        \
-        if (!x) return -1;                                                                   \
-        FMT##_layout(xh, k, x);                                                              \
-        float sums[ROWS];                                                                    \
-        for (int64_t r = 0; r < rows; r += ROWS) {                                           \
-            int n = rows - r < ROWS ? (int)(rows - r) : ROWS;                                \
-            pass_##FMT(w + r * ldw, ldw, x, k, n, sums);                                     \
-            for (int i = 0; i < n; i++) y[r + i] = f32_to_##FMT(sums[i]);                    \
-        }                                                                                    \
-        free(x);                                                                             \
-        return 0;                                                                            \
+/* One x row: ROWS weight rows per tile (4 load streams), then single rows. Several x rows: one
+ * weight row per tile against up to XMAX of them (2 x XMAX accumulators in registers). */
+#define XMAX 8
+#define DEFINE_TILES(FMT)                                                                     \
+    DEFINE_TILE(FMT, 4, 1) /* ROWS x 1 */                                                     \
+    DEFINE_TILE(FMT, 1, 1)                                                                    \
+    DEFINE_TILE(FMT, 1, 2)                                                                    \
+    DEFINE_TILE(FMT, 1, 3)                                                                    \
+    DEFINE_TILE(FMT, 1, 4)                                                                    \
+    DEFINE_TILE(FMT, 1, 5)                                                                    \
+    DEFINE_TILE(FMT, 1, 6)                                                                    \
+    DEFINE_TILE(FMT, 1, 7)                                                                    \
+    DEFINE_TILE(FMT, 1, 8)                                                                    \
+    typedef void (*tile_fn_##FMT)(const uint16_t *, int64_t, const float *, int64_t, int64_t, \
+                                  float *);                                                   \
+    static const tile_fn_##FMT row_tiles_##FMT[XMAX + 1] = {                                  \
+        0, tile_##FMT##_1_1, tile_##FMT##_1_2, tile_##FMT##_1_3, tile_##FMT##_1_4,            \
+        tile_##FMT##_1_5, tile_##FMT##_1_6, tile_##FMT##_1_7, tile_##FMT##_1_8};
+DEFINE_TILES(bf16)
+DEFINE_TILES(f16)
+
+/* Y[i, r] = sum_c W[r, c] * X[i, c] for i < m, r < rows: W rows `ldw` elements apart, X rows
+ * `ldx`, Y rows `ldy`. Returns 0, or -1 when the fp32 copy of X cannot be allocated. */
+#define DEFINE_GEMM(FMT)                                                                      \
+    int32_t gemm_##FMT(const uint16_t *w, int64_t ldw, const uint16_t *xh, int64_t ldx,       \
+                       int64_t m, int64_t rows, int64_t k, uint16_t *y, int64_t ldy) {        \
+        float *x = (float *)malloc((size_t)(m * k > 0 ? m * k : 1) * sizeof(float));          \
+        if (!x) return -1;                                                                    \
+        for (int64_t i = 0; i < m; i++) FMT##_layout(xh + i * ldx, k, x + i * k);             \
+        float sums[ROWS * XMAX];                                                              \
+        for (int64_t i0 = 0; i0 < m; i0 += XMAX) {                                            \
+            const int xs = m - i0 < XMAX ? (int)(m - i0) : XMAX;                              \
+            const float *xb = x + i0 * k;                                                     \
+            int64_t r = 0;                                                                    \
+            if (xs == 1)                                                                      \
+                for (; r + ROWS <= rows; r += ROWS) {                                         \
+                    tile_##FMT##_4_1(w + r * ldw, ldw, xb, k, k, sums);                       \
+                    for (int q = 0; q < ROWS; q++) y[i0 * ldy + r + q] = f32_to_##FMT(sums[q]); \
+                }                                                                             \
+            for (; r < rows; r++) {                                                           \
+                row_tiles_##FMT[xs](w + r * ldw, ldw, xb, k, k, sums);                        \
+                for (int j = 0; j < xs; j++) y[(i0 + j) * ldy + r] = f32_to_##FMT(sums[j]);   \
+            }                                                                                 \
+        }                                                                                     \
+        free(x);                                                                              \
+        return 0;                                                                             \
     }
-DEFINE_GEMV(bf16)
-DEFINE_GEMV(f16)
+DEFINE_GEMM(bf16)
+DEFINE_GEMM(f16)
 #endif
 
 /* Lanes per vector step in this build: 0 means no vector path (the caller keeps torch.mv). */
 int32_t gemv_lanes(void) { return LANES; }
+
+/* The most x rows one pass over the weights serves (larger batches take several passes). */
+int32_t gemv_max_rows(void) { return LANES ? XMAX : 0; }
