@@ -11,8 +11,8 @@
 //   ran before: at::mv for one row, at::linear for more.
 // tpserve::mean_square(x) -> mean(x^2) over the last dim, keepdim: RMSNorm's reduction. For
 //   contiguous CPU fp32 rows it is one pass here (8 fp64 partial sums in a fixed order, then
-//   one rounding: within an ulp of the exact value, and the same bits on any thread count),
-//   ~1 us for a 512-wide row where ATen's pow + mean took ~20; elsewhere ATen's pow + mean.
+//   one rounding: within an ulp of the exact value), ~1 us for a 512-wide row where ATen's
+//   pow + mean took ~20; elsewhere (and for large inputs on several threads) ATen's.
 //   Inductor's own fused reduction would sum in yet another order: keeping it opaque keeps
 //   compiled decode bit-equal to eager.
 //
@@ -89,10 +89,16 @@ float row_mean_square(const float *x, int64_t n) {
     return (float)(sum / (double)n);
 }
 
+// Rows up to which the loop runs on any thread count. It is single-threaded (at::parallel_for
+// would need this library built with OpenMP, a second runtime beside torch's), so larger
+// inputs (prefill) with several threads keep ATen's parallel pow + mean.
+constexpr int64_t kLoopRowsAnyThreads = 64;
+
 at::Tensor mean_square(const at::Tensor &x) {
-    if (!(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.is_contiguous() &&
-          x.dim() >= 1 && x.size(-1) > 0))
-        return x.pow(2).mean(-1, /*keepdim=*/true);
+    const bool loop = x.device().is_cpu() && x.scalar_type() == at::kFloat && x.is_contiguous() &&
+                      x.dim() >= 1 && x.size(-1) > 0 &&
+                      (x.numel() / x.size(-1) <= kLoopRowsAnyThreads || at::get_num_threads() == 1);
+    if (!loop) return x.pow(2).mean(-1, /*keepdim=*/true);
     auto sizes = x.sizes().vec();
     const int64_t n = sizes.back();
     sizes.back() = 1;
@@ -100,11 +106,7 @@ at::Tensor mean_square(const at::Tensor &x) {
     const float *src = x.const_data_ptr<float>();
     float *dst = out.mutable_data_ptr<float>();
     const int64_t rows = out.numel();
-    // Rows are independent, so splitting them across threads never changes a result.
-    at::parallel_for(0, rows, /*grain_size=*/std::max<int64_t>(1, 32768 / n),
-                     [&](int64_t lo, int64_t hi) {
-                         for (int64_t r = lo; r < hi; r++) dst[r] = row_mean_square(src + r * n, n);
-                     });
+    for (int64_t r = 0; r < rows; r++) dst[r] = row_mean_square(src + r * n, n);
     return out;
 }
 

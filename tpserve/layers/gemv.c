@@ -1,19 +1,21 @@
-/* Matrix-vector product y[r] = sum_c W[r, c] * x[c] for 16-bit weights, accumulating in fp32.
+/* Y = X W^T for a few rows of X and 16-bit weights W, accumulating in fp32.
  *
- * Batch-1 decode on CPU is nothing but this: every weight is read once per token, so a step is
- * as fast as the weights stream. On one thread ATen's bf16 `mv` streams decode-shaped weights at
- * 7-11 GB/s on the CI-like Xeon, where a plain read runs at ~20; this loop reaches 18-19 (see
- * ROWS below). native_gemv.py compiles it with the host C compiler at first use (ctypes).
+ * Batch-1 decode and speculative verify on CPU are little but this: every weight is read once
+ * per step, so a step is as fast as the weights stream. On one thread ATen's bf16 `mv` streams
+ * decode-shaped weights at 7-11 GB/s on the CI-like Xeon, where a plain read runs at ~20; this
+ * loop reaches 18-19 (see ROWS below), and reads W once for up to XMAX rows of X.
+ * cpu_ops.cpp includes this file (the torch op); the tests also build it alone with the host
+ * C compiler (ctypes) to check the AVX2 path.
  *
- * Arithmetic, fixed so that every caller (eager and compiled decode, any number of rows) gets the
- * same bits for a row: x is widened to fp32 once; columns go in blocks of 2 x LANES, in order,
- * each half of a block into its own fp32 accumulator vector by fused multiply-add; the two
+ * Arithmetic, fixed so that every caller (eager and compiled decode, any tile) gets the same bits
+ * for an output: x is widened to fp32 once; columns go in blocks of 2 x LANES, in order, each
+ * half of a block into its own fp32 accumulator vector by fused multiply-add; the two
  * accumulators are added, their lanes summed as a fixed pairwise tree, the leftover columns
  * added one by one with fmaf, and the sum rounded once to the output format (nearest-even, NaN
  * kept). Subnormals are kept (no flush-to-zero instructions such as AVX512-BF16's dot product).
  *
  * Explicit intrinsics chosen at compile time (-march=native): AVX-512 (16 lanes) or AVX2 + F16C
- * + FMA (8 lanes). Without them the library reports 0 lanes and the caller keeps torch.mv.
+ * + FMA (8 lanes). Without them the library reports 0 lanes and the caller keeps ATen.
  */
 #include <math.h>
 #include <stdint.h>
