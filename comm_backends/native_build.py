@@ -74,18 +74,19 @@ def build(source: Path, compiler_path: str, flags: Sequence[str],
     target = cache_dir() / f"{source.stem}-{key[:16]}.so"
     if target.exists():
         return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=target.parent, suffix=".so.tmp")
-    os.close(fd)
-    try:
+    tmp = ""
+    try:  # an unwritable cache directory is a build failure too: callers fall back
+        target.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=target.parent, suffix=".so.tmp")
+        os.close(fd)
         subprocess.run([compiler_path, *flags, str(source), *libs, "-o", tmp], check=True,
                        capture_output=True, text=True, timeout=300)
         os.replace(tmp, target)  # atomic: a concurrent rank sees the old name or the whole file
     except (OSError, subprocess.SubprocessError) as exc:
         detail = getattr(exc, "stderr", "") or exc
-        raise NativeBuildError(f"building {source.name} failed ({detail})") from exc
+        raise NativeBuildError(f"building {source.name} into {target.parent} failed ({detail})") from exc
     finally:
-        if os.path.exists(tmp):
+        if tmp and os.path.exists(tmp):
             os.unlink(tmp)
     return target
 

@@ -186,10 +186,13 @@ print(loaded.impl, torch.ops.tpserve.gemv_lanes())
 """
 
 
-@pytest.mark.parametrize(("env", "expected"), [("TPSERVE_CPU_OPS", "python 0"),
-                                               ("TPSERVE_NATIVE_GEMV", "c++ 0")])
-def test_switches_fall_back_to_torch(env: str, expected: str) -> None:
-    out = subprocess.run([sys.executable, "-c", _FALLBACK], env={**os.environ, env: "0"},
+@pytest.mark.parametrize(("env", "value", "expected"), [
+    ("TPSERVE_CPU_OPS", "0", "python 0"),
+    ("TPSERVE_NATIVE_GEMV", "0", "c++ 0"),
+    ("TPSERVE_CACHE", "/dev/null/cache", "python 0"),  # unwritable: a build failure, not a crash
+])
+def test_switches_fall_back_to_torch(env: str, value: str, expected: str) -> None:
+    out = subprocess.run([sys.executable, "-c", _FALLBACK], env={**os.environ, env: value},
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split()[-2:] == expected.split()

@@ -8,6 +8,8 @@ width (the scalar tail) are included.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -102,6 +104,17 @@ def test_in_place_into_one_of_the_rows(native: shm_native.NativeReduce) -> None:
 
 def test_disabled_by_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("TPSERVE_SHM_NATIVE", "0")
+    shm_native.load.cache_clear()
+    try:
+        assert shm_native.load() is None
+    finally:
+        shm_native.load.cache_clear()
+
+
+def test_unwritable_cache_falls_back(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    monkeypatch.setenv("TPSERVE_CACHE", str(blocker / "cache"))  # mkdir fails, even as root
     shm_native.load.cache_clear()
     try:
         assert shm_native.load() is None
