@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -90,6 +91,32 @@ def test_greedy_is_argmax_with_lowest_index_ties() -> None:
         res.logprobs, torch.log_softmax(logits, -1).gather(1, res.tokens[:, None]).squeeze(1)
     )
     assert res.top_logprobs is None
+
+
+@pytest.mark.parametrize("params", [
+    SamplingParams(temperature=1e-40),  # logits / T overflows float32: sampled as greedy
+    SamplingParams(temperature=9e-6, top_p=0.5),
+    SamplingParams(temperature=1.0, repetition_penalty=1e-300),  # seen logits -> +-inf
+    SamplingParams(temperature=0.7, repetition_penalty=1e300, top_k=5),
+])
+def test_degenerate_parameters_draw_the_argmax_instead_of_failing(params: SamplingParams) -> None:
+    # Found by the server's OpenAPI fuzz: torch.multinomial raised on a NaN row and the engine
+    # loop, with every request in it, went down.
+    logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(4))
+    logits[:, 3] += 10.0  # a clear argmax
+    penalised = apply_penalties(logits, [params] * 3, [[3, 9, 11]] * 3, [[]] * 3)
+    probs = target_probs(penalised, [params] * 3)
+    assert torch.isfinite(probs).all()
+    torch.testing.assert_close(probs.sum(-1), torch.ones(3))
+    res = sample(penalised, [params] * 3, [None] * 3, make_generator(None, 7))
+    assert (probs.gather(1, res.tokens[:, None]) > 0).all()  # drawn from the distribution
+    assert torch.isfinite(res.logprobs).all()  # the HTTP layer must be able to encode them
+    top = sample(penalised, [dataclasses.replace(params, logprobs=3)] * 3, [None] * 3,
+                 make_generator(None, 7)).top_logprobs
+    assert top is not None and all(math.isfinite(v) for row in top for _, v in row)
+    if params.temperature < 1e-5 or torch.isnan(penalised).any() or penalised.isposinf().any():
+        best = torch.nan_to_num(penalised, nan=float("-inf")).argmax(dim=-1)
+        assert torch.equal(res.tokens, best)
 
 
 def _frequencies(

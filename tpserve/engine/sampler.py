@@ -139,9 +139,13 @@ def target_probs(logits: Tensor, params: Sequence[SamplingParams]) -> Tensor:
         kept = _filter_sorted(sorted_probs, params)
         kept = kept / kept.sum(dim=-1, keepdim=True)
         probs = torch.empty_like(probs).scatter_(1, order, kept)
-    if any(greedy):
-        rows = torch.tensor(greedy, device=logits.device)
-        one_hot = torch.zeros_like(probs).scatter_(1, logits.argmax(dim=-1, keepdim=True), 1.0)
+    # Extreme penalties (repetition_penalty 1e-300, say) can still push logits to +-inf and a
+    # row's softmax to NaN: such a row degenerates to its argmax rather than failing the step.
+    broken = ~torch.isfinite(probs).all(dim=-1) | ~(probs.sum(dim=-1) > 0)
+    rows = torch.tensor(greedy, device=logits.device) | broken
+    if bool(rows.any()):
+        best = torch.nan_to_num(logits, nan=float("-inf")).argmax(dim=-1, keepdim=True)
+        one_hot = torch.zeros_like(probs).scatter_(1, best, 1.0)
         probs = torch.where(rows.unsqueeze(1), one_hot, probs)
     return probs
 
@@ -202,9 +206,16 @@ def sample(
         tokens[idx] = drawn
     want_top = any(p.logprobs > 0 for p in params)
     if want_top:
-        logprobs_all = torch.log_softmax(logits, dim=-1)
+        logprobs_all = _finite(torch.log_softmax(logits, dim=-1))
         chosen = logprobs_all.gather(1, tokens.unsqueeze(1)).squeeze(1)
         return SampleResult(tokens, chosen, _top_logprobs(logprobs_all, params))
     # Without top-logprobs, logit - logsumexp avoids materialising a second [B, V] tensor.
     chosen = logits.gather(1, tokens.unsqueeze(1)).squeeze(1) - logits.logsumexp(dim=-1)
-    return SampleResult(tokens, chosen, None)
+    return SampleResult(tokens, _finite(chosen), None)
+
+
+def _finite(logprobs: Tensor) -> Tensor:
+    """Log-probabilities as JSON can carry them: logits pushed to +-inf by extreme penalties
+    give NaN / -inf, which become the most negative float (and +inf, impossible, 0)."""
+    lowest = torch.finfo(logprobs.dtype).min
+    return torch.nan_to_num(logprobs, nan=lowest, posinf=0.0, neginf=lowest)

@@ -14,6 +14,9 @@ from typing import Any
 # Upper bounds that are policy, not physics: they keep one request from monopolising the server.
 MAX_N = 16
 MAX_TOP_LOGPROBS = 20
+# Temperatures below this sample as greedy (vLLM's threshold too): logits / 1e-40 overflows
+# float32 to inf, and the softmax of that is NaN, which no sampler can draw from.
+GREEDY_TEMPERATURE = 1e-5
 PENALTY_RANGE = (-2.0, 2.0)
 
 
@@ -40,8 +43,9 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        """True when sampling degenerates to argmax (temperature 0 or top_k 1)."""
-        return self.temperature == 0.0 or self.top_k == 1
+        """True when sampling degenerates to argmax (temperature below ``GREEDY_TEMPERATURE``,
+        or top_k 1)."""
+        return self.temperature < GREEDY_TEMPERATURE or self.top_k == 1
 
     @property
     def uses_penalties(self) -> bool:
