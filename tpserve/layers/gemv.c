@@ -67,11 +67,6 @@ typedef __m512 vec;
 #define vadd _mm512_add_ps
 #define vfma _mm512_fmadd_ps
 #define vload _mm512_loadu_ps
-#define vstore _mm512_storeu_ps
-static inline vec bf16_vec(const uint16_t *p) {
-    __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p));
-    return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
-}
 static inline vec f16_vec(const uint16_t *p) {
     return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p));
 }
@@ -82,11 +77,6 @@ typedef __m256 vec;
 #define vadd _mm256_add_ps
 #define vfma _mm256_fmadd_ps
 #define vload _mm256_loadu_ps
-#define vstore _mm256_storeu_ps
-static inline vec bf16_vec(const uint16_t *p) {
-    __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p));
-    return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
-}
 static inline vec f16_vec(const uint16_t *p) {
     return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
 }
@@ -229,8 +219,5 @@ DEFINE_GEMM(bf16)
 DEFINE_GEMM(f16)
 #endif
 
-/* Lanes per vector step in this build: 0 means no vector path (the caller keeps torch.mv). */
+/* Lanes per vector step in this build: 0 means no vector path (the caller keeps ATen). */
 int32_t gemv_lanes(void) { return LANES; }
-
-/* The most x rows one pass over the weights serves (larger batches take several passes). */
-int32_t gemv_max_rows(void) { return LANES ? XMAX : 0; }
