@@ -158,9 +158,15 @@ def run_follower(follow_plans: Callable[[], None], *resources: Any) -> int:
 
 def finish_leader(engine: Any, thread: threading.Thread, code: int, *resources: Any) -> int:
     """Rank 0 after the HTTP server stopped: stop the engine, free resources, pick the code."""
+    if code != 0:
+        # After a failure torchrun may SIGTERM this rank during the teardown below (it polls
+        # its workers on its own clock, and the engine join can take seconds): say the outcome
+        # while it is still ours to say.
+        log.info("exiting with code %d", code)
     if not stop_engine(engine, thread, failed=code != 0):
         exit_now(1)
     close_quietly(*resources)
-    code = code if engine.error is None else 1
-    log.info("exiting with code %d", code)
-    return code
+    final = code if engine.error is None else 1
+    if final != code or code == 0:
+        log.info("exiting with code %d", final)
+    return final
