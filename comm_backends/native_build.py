@@ -91,15 +91,16 @@ def build(source: Path, compiler_path: str, flags: Sequence[str],
     return target
 
 
-def load_library(source: Path, lanes_symbol: str) -> tuple[ctypes.CDLL, int]:
-    """The compiled C ``source`` and its vector width (``lanes_symbol()``; 0: scalar-only).
+def load_library(source: Path, lanes_symbol: str, depends: Sequence[Path] = ()) -> tuple[ctypes.CDLL, int]:
+    """The compiled C ``source`` (``depends``: files it includes) and its vector width
+    (``lanes_symbol()``; 0: scalar-only).
 
     Raises ``NativeBuildError`` with the reason when there is no compiler or the build fails.
     """
     cc = compiler()
     if cc is None:
         raise NativeBuildError("no C compiler found (set CC)")
-    path = build(source, cc, FLAGS)
+    path = build(source, cc, FLAGS, depends)
     try:
         lib = ctypes.CDLL(str(path))
     except OSError as exc:
@@ -109,11 +110,10 @@ def load_library(source: Path, lanes_symbol: str) -> tuple[ctypes.CDLL, int]:
     return lib, int(lanes_fn())
 
 
-def load_kernels(source: Path, lanes_symbol: str, symbols: dict[K, str],
-                 argtypes: tuple[Any, ...], restype: Any, switch: str,
-                 fallback: str) -> dict[K, Any] | None:
-    """Typed entry points ``{key: symbol}`` of the compiled ``source``, or None where it cannot
-    be used: environment variable ``switch`` is ``0``, the build fails, or it has no vector path.
+def load_vectorised(source: Path, lanes_symbol: str, switch: str, fallback: str,
+                    depends: Sequence[Path] = ()) -> ctypes.CDLL | None:
+    """The compiled C ``source``, or None where it should not be used: environment variable
+    ``switch`` is ``0``, the build fails, or the build has no vector path.
 
     The reason is logged once (callers cache the result), naming ``fallback``, what runs
     instead.
@@ -123,13 +123,18 @@ def load_kernels(source: Path, lanes_symbol: str, symbols: dict[K, str],
         log.info("%s: disabled by %s=0; %s instead", name, switch, fallback)
         return None
     try:
-        lib, lanes = load_library(source, lanes_symbol)
+        lib, lanes = load_library(source, lanes_symbol, depends)
     except NativeBuildError as exc:
         log.warning("%s; %s instead", exc, fallback)
         return None
     if lanes == 0:  # scalar-only build: torch's vectorised ops are faster
         log.info("%s: no AVX2/AVX-512 on this CPU; %s instead", name, fallback)
         return None
+    return lib
+
+
+def bind(lib: ctypes.CDLL, symbols: dict[K, str], argtypes: tuple[Any, ...], restype: Any) -> dict[K, Any]:
+    """Typed entry points ``{key: symbol}`` of ``lib``, all with one signature."""
     kernels = {}
     for key, symbol in symbols.items():
         fn = getattr(lib, symbol)

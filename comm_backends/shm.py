@@ -19,8 +19,12 @@ writes anything else, its first wait has proved every peer finished the previous
 
 Bit-identical results: every rank runs the same reduction on identically shaped views, in rank
 order (one-shot), or copies the one owner's sum (two-shot); 16-bit inputs accumulate in fp32
-and round once. The reduction is the compiled kernel of ``shm_native`` where it builds, else
-torch ops (kept, and tested, as the fallback).
+and round once.
+
+Two implementations of each algorithm, the same protocol: where ``shm_native`` builds, one C
+call runs a whole exchange (copies, flags, reduction) from a plan made once per shape, and
+hands waits that need more than a short spin back to ``FlagBoard``; else the steps are torch
+ops driven from Python (kept, and tested, as the fallback).
 """
 
 from __future__ import annotations
@@ -42,7 +46,8 @@ from comm_backends.shm_flags import (
     FlagBoard,
     header_bytes,
 )
-from comm_backends.shm_native import NativeReduce, RowPointers, row_pointers
+from comm_backends.shm_native import ExchangePlan, NativeReduce, exchange_plan
+from comm_backends.shm_native import board as native_board
 from comm_backends.shm_native import load as load_native
 from comm_backends.shm_rendezvous import attach, setup_group
 from comm_backends.shm_segment import SHM_DIR
@@ -58,38 +63,38 @@ _LOOP_MIN_NUMEL = 32768
 
 
 def default_two_shot_bytes(world: int, native: bool = True) -> int:
-    """Smallest message that uses two-shot, by world size and reduction (compiled or torch ops).
+    """Smallest message that uses two-shot, by world size and implementation (compiled exchange
+    or torch ops).
 
-    Two ranks, measured with ``comm_backends.bench --spawn 2`` on the 2-core CI-like Xeon VM
-    (AVX-512, compiled reduction), bf16, one-shot forced vs two-shot forced, median us:
+    Measured with ``comm_backends.bench --spawn W --backends shm`` and
+    TPSERVE_SHM_TWO_SHOT_BYTES forcing each algorithm, on the 2-core CI-like Xeon VM (AVX-512),
+    bf16, median us, one-shot vs two-shot, two runs where given:
 
-        64K: 45-51 vs 57-72   128K: 84 vs 76   256K: 95-108 vs 92-99   512K: 214 vs 155
-        1M: 455 vs 322   2M: 984 vs 566   8M: 3512 vs 2211               -> two-shot from 256K
+        2 ranks   4K: 9-12 vs 11-44   16K: 13-14 vs 12-14   32K: 18-20 vs 15-18
+                 64K: 25-28 vs 22-23   128K: 42-45 vs 31-34   1M: 320-330 vs 195-226
+                                                                  -> two-shot from 32K
+        4 ranks  16K: 111 vs 116   64K: 123 vs 122   128K: 207 vs 172   256K: 341 vs 246
+                  1M: 1190 vs 731                                 -> two-shot from 128K
+        8 ranks   4K: 203 vs 301   16K: 246 vs 416   64K: 513 vs 553   128K: 855 vs 594
+                  1M: 4206 vs 1756                                -> two-shot from 128K
 
-    Two-shot publishes only the segments peers need and sums a rank's own segment straight
-    from its input, so it moves less data than one-shot but pays a second flag round trip.
+    Two-shot publishes only the segments peers need, sums a rank's own segment straight from
+    its input and reads each peer byte once per phase, so it moves less data across cores than
+    one-shot; it pays a second flag round trip, which costs ~1 us in the compiled exchange (it
+    cost ~10 us of Python before, and the crossover was 256K at 2 ranks). 4 and 8 ranks share
+    2 cores here; with a core per rank the crossover may move.
 
-    4 and 8 ranks on the same 2 cores (so ranks share cores, which favours two-shot's smaller
-    total work; with a core per rank the crossover moves up), same method, median us:
-
-        4 ranks   64K: 161 vs 399   128K: 214-254 vs 315-341   256K: 345 vs 514
-                 512K: 640 vs 605     1M: 1137 vs 857   4M: 4337 vs 2522   -> two-shot from 512K
-        8 ranks   64K: 598 vs 955   128K: 879-912 vs 840-1169  256K: 1306 vs 1023
-                 512K: 2113 vs 1461   1M: 3715 vs 1996   4M: 14183 vs 6488  -> two-shot from 256K
-
-    With torch-op reductions (no compiler) the crossovers are 32K (4 ranks) and 16K (8 ranks):
-    torch's 16-bit sum over many rows is slow, so one-shot's W-row sums cost more. Two ranks
-    with torch ops, one-shot vs two-shot: 64K 52 vs 65, 256K 148 vs 90, 1M 467 vs 296
-    -> two-shot from 256K as with the compiled sum.
+    With torch-op steps (no compiler) the crossovers are 256K (2 ranks), 32K (4) and 16K (8):
+    each step is a Python round trip, and torch's 16-bit sum over many rows is slow, so
+    one-shot's W-row sums cost more there. 2 ranks, torch ops, one-shot vs two-shot: 64K 52 vs
+    65, 256K 148 vs 90, 1M 467 vs 296.
 
     Re-measure on the target host and set TPSERVE_SHM_TWO_SHOT_BYTES (or
     ShmConfig.two_shot_bytes) if it differs.
     """
-    if world <= 2:
-        return 256 << 10
     if not native:
-        return 32 << 10 if world <= 4 else 16 << 10
-    return 512 << 10 if world <= 4 else 256 << 10
+        return 256 << 10 if world <= 2 else 32 << 10 if world <= 4 else 16 << 10
+    return 32 << 10 if world <= 2 else 128 << 10
 
 
 @dataclass(frozen=True)
@@ -129,7 +134,7 @@ class ShmConfig:
 class _OneShot:
     mine: torch.Tensor  # my slot's half, shaped like the input
     stack: torch.Tensor  # [W, *shape]: every rank's same half
-    rows: RowPointers | None  # the stack's row addresses, for the compiled kernel
+    plan: ExchangePlan | None  # the compiled exchange over these views
 
 
 @dataclass(frozen=True)
@@ -140,7 +145,7 @@ class _TwoShot:
     peer_rows: torch.Tensor  # [W, hi - lo]: my segment in every rank's in-half
     out_seg: torch.Tensor  # my segment of my out-half: where peers gather my sum from
     gathers: tuple[tuple[torch.Tensor, int, int], ...]  # (peer's out segment, start, stop) of x
-    rows: RowPointers | None  # peer_rows' addresses; entry ``rank`` is set to x's per call
+    plan: ExchangePlan | None  # the compiled exchange over these views
 
 
 class ShmAllReduce(AllReduce):
@@ -174,12 +179,18 @@ class ShmAllReduce(AllReduce):
         self._mapping = None
         self._board: FlagBoard | None = None
         self._native: NativeReduce | None = None
+        self._cboard = None  # the C view of the flag header, with the compiled exchange
+        # Waits the compiled exchange handed back to FlagBoard, by stage (1: first round,
+        # 2: two-shot's second): how often a peer was late or shared our CPU.
+        self.handed_back = [0, 0, 0]
         if self.world_size > 1:
             self._setup()
 
     def _setup(self) -> None:
         self._data_offset = header_bytes(self.world_size)
         native = load_native() if self.config.native else None
+        if native is not None and self.world_size > native.max_ranks:
+            native = None  # the same on every rank: same library, same world
         config = replace(self.config, native=native is not None)
         attached = attach(setup_group(self.group), self.rank, self.world_size, config,
                           lambda cfg: self._data_offset + 2 * self.world_size * cfg.half_bytes())
@@ -197,6 +208,8 @@ class ShmAllReduce(AllReduce):
             raise RuntimeError("shm: rank 0 reduces with the compiled kernel but this rank could "
                                "not build it; set TPSERVE_SHM_NATIVE=0 on every rank")
         self._native = native if self.config.native else None
+        if self._native is not None:
+            self._cboard = native_board(self._board.address, self.rank, self.world_size, spin_s)
         two_shot = self.config.two_shot_bytes
         if two_shot is None:
             two_shot = default_two_shot_bytes(self.world_size, native=self._native is not None)
@@ -224,12 +237,15 @@ class ShmAllReduce(AllReduce):
             base, hstride = self._base(dtype), self._half // dtype.itemsize
             inner = torch.empty(shape, device="meta").stride()
             stack = base.as_strided((self.world_size, *shape), (2 * hstride, *inner), half * hstride)
-            rows = None
+            mine, plan = stack[self.rank], None
             if self._native is not None:
-                rows = row_pointers([stack[k].data_ptr() for k in range(self.world_size)])
-            return _OneShot(stack[self.rank], stack, rows)
+                rows = [stack[k].data_ptr() for k in range(self.world_size)]
+                nbytes = mine.numel() * dtype.itemsize
+                plan = exchange_plan(self._cboard, rows, [(mine.data_ptr(), 0, nbytes)], [], None,
+                                     mine.numel(), 0, dtype)
+            return _OneShot(mine, stack, plan)
 
-        return self._cache(("one", dtype, shape, half), build)
+        return self._cache((dtype, shape, half), build)  # the key _all_reduce probes
 
     def _two_shot_views(self, dtype: torch.dtype, n: int, half_in: int) -> _TwoShot:
         def build() -> _TwoShot:
@@ -252,10 +268,16 @@ class ShmAllReduce(AllReduce):
             # Row k: segment ``rank`` of rank k's in-half (row ``rank`` itself is never read).
             peer_rows = base.as_strided((world, hi - lo), (2 * hstride, 1), half_in * hstride + lo)
             gathers = tuple(g for g in (gather(k) for k in range(world) if k != rank) if g[2] > g[1])
-            rows = None
+            out_seg, plan = half_of(rank, 1 - half_in, lo, hi), None
             if self._native is not None:
-                rows = row_pointers([peer_rows[k].data_ptr() for k in range(world)])
-            return _TwoShot(lo, hi, publish, peer_rows, half_of(rank, 1 - half_in, lo, hi), gathers, rows)
+                def spans(parts: tuple[tuple[torch.Tensor, int, int], ...]) -> list[tuple[int, int, int]]:
+                    size = dtype.itemsize
+                    return [(t.data_ptr(), a * size, (b - a) * size) for t, a, b in parts]
+
+                plan = exchange_plan(self._cboard, [peer_rows[k].data_ptr() for k in range(world)],
+                                     spans(publish), spans(gathers), out_seg.data_ptr(), hi - lo,
+                                     lo * dtype.itemsize, dtype)
+            return _TwoShot(lo, hi, publish, peer_rows, out_seg, gathers, plan)
 
         return self._cache(("two", dtype, n, half_in), build)
 
@@ -264,19 +286,27 @@ class ShmAllReduce(AllReduce):
         board = self._board
         if board is None or board.broken:
             raise RuntimeError(board.broken if board else "shm allreduce is closed")
-        if tensor.dtype not in self.dtypes or tensor.device.type != "cpu":
-            raise TypeError(f"shm allreduce supports CPU {self.dtypes}, got {tensor.device} {tensor.dtype}")
-        if not tensor.is_contiguous():
-            tensor.copy_(self._all_reduce(tensor.contiguous()))
-            return tensor
-        nbytes = tensor.numel() * tensor.element_size()
-        if nbytes == 0:
-            return tensor
+        # Hot path, one dict probe: a contiguous CPU tensor of a shape already seen that takes
+        # one round (decode repeats a handful of shapes). Each torch attribute read costs
+        # ~0.1 us and ``tensor.device.type`` ~0.5 us; at 2 ranks a 4 KB exchange takes ~4 us.
+        views = self._views.get((tensor.dtype, tensor.shape, 1 - self._last))
+        if views is None or not (tensor.is_cpu and tensor.is_contiguous()):
+            if tensor.dtype not in self.dtypes or not tensor.is_cpu:
+                raise TypeError(f"shm allreduce supports CPU {self.dtypes}, got {tensor.device} {tensor.dtype}")
+            if not tensor.is_contiguous():
+                tensor.copy_(self._all_reduce(tensor.contiguous()))
+                return tensor
+            nbytes = tensor.nbytes
+            if nbytes == 0:
+                return tensor
+            views = self._single_round_views(tensor, nbytes)
         try:
-            if nbytes < self._two_shot_bytes and nbytes <= self._half:
-                self._one_shot(tensor, self._one_shot_views(tensor.dtype, tensor.shape, 1 - self._last))
+            if type(views) is _OneShot:
+                self._one_shot(tensor, views)
+            elif views is not None:
+                self._two_shot(tensor, views)
             else:
-                self._chunked(tensor.view(-1), two_shot=nbytes >= self._two_shot_bytes)
+                self._chunked(tensor.view(-1), two_shot=tensor.nbytes >= self._two_shot_bytes)
         except BaseException as exc:
             # Leaving mid-protocol (Ctrl-C, a bug) would strand the peers until their timeout:
             # tell them now, and refuse further calls here (our sequence is out of step).
@@ -285,12 +315,27 @@ class ShmAllReduce(AllReduce):
             raise
         return tensor
 
-    def _chunked(self, flat: torch.Tensor, two_shot: bool) -> None:
-        dtype, world = flat.dtype, self.world_size
+    def _single_round_views(self, tensor: torch.Tensor, nbytes: int) -> _OneShot | _TwoShot | None:
+        """Views for a message that fits one chunk, cached under the hot path's key; None if
+        it needs chunking."""
+        dtype, half = tensor.dtype, 1 - self._last
+        if nbytes < self._two_shot_bytes:
+            return self._one_shot_views(dtype, tensor.shape, half) if nbytes <= self._half else None
+        n = tensor.numel()
+        if n > self._chunk_elements(dtype, two_shot=True):
+            return None
+        return self._cache((dtype, tensor.shape, half), lambda: self._two_shot_views(dtype, n, half))
+
+    def _chunk_elements(self, dtype: torch.dtype, two_shot: bool) -> int:
         step = self._half // dtype.itemsize
         if two_shot:  # chunk a whole number of aligned segments so every segment fits a half
-            unit = world * (64 // dtype.itemsize)
+            unit = self.world_size * (64 // dtype.itemsize)
             step = step // unit * unit
+        return step
+
+    def _chunked(self, flat: torch.Tensor, two_shot: bool) -> None:
+        dtype = flat.dtype
+        step = self._chunk_elements(dtype, two_shot)
         for start in range(0, flat.numel(), step):
             x = flat[start : start + step]
             n = x.numel()
@@ -322,39 +367,50 @@ class ShmAllReduce(AllReduce):
             self._acc = torch.empty(max(numel, self._half // 2), dtype=torch.float32)
         return self._acc[:numel]
 
+    def _exchange(self, plan: ExchangePlan, x: torch.Tensor) -> None:
+        """The compiled exchange; waits it hands back get FlagBoard's full waiting policy."""
+        seq, address = self._seq + 1, x.data_ptr()
+        self._seq += plan.rounds
+        stage = self._native.exchange(plan, address, seq, 0)
+        while stage:
+            self.handed_back[stage] += 1
+            self._board.wait_all(seq + stage - 1)
+            stage = self._native.exchange(plan, address, seq, stage)
+
     def _one_shot(self, x: torch.Tensor, views: _OneShot) -> None:
         self._last = 1 - self._last
+        if views.plan is not None:
+            self._exchange(views.plan, x)
+            return
         views.mine.copy_(x)
         self._step()
-        if views.rows is not None:
-            self._native(views.rows, self.world_size, x.data_ptr(), None, x.numel(), x.dtype)
-        elif self.world_size == 2 or x.dtype != torch.float32 and x.numel() >= _LOOP_MIN_NUMEL:
+        if self.world_size == 2 or x.dtype != torch.float32 and x.numel() >= _LOOP_MIN_NUMEL:
             self._reduce_rows(list(views.stack), x)
         else:
             torch.sum(views.stack, dim=0, out=x)  # one op; accumulates 16-bit inputs in fp32
 
     def _two_shot(self, x: torch.Tensor, views: _TwoShot) -> None:
-        """Reduce-scatter (each rank sums its own segment), then all-gather the sums.
+        """Reduce-scatter (each rank sums its own segment), then all-gather the sums; ``x``
+        is contiguous, any shape.
 
         Writes "in" = 1 - _last before the first wait, "out" = _last after it; _last stays.
         Only the segments peers need are published, and a rank sums its own segment reading
         its own part straight from ``x``: 1/W less copying each way than staging everything.
         """
+        if views.plan is not None:
+            self._exchange(views.plan, x)
+            return
+        x = x.view(-1)
         for dst, a, b in views.publish:
             dst.copy_(x[a:b])
         self._step()
         lo, hi = views.lo, views.hi
         if hi > lo:
             mine = x[lo:hi]
-            if views.rows is not None:
-                views.rows[self.rank] = mine.data_ptr()
-                self._native(views.rows, self.world_size, mine.data_ptr(), views.out_seg.data_ptr(),
-                             hi - lo, x.dtype)
-            else:
-                rows = list(views.peer_rows)
-                rows[self.rank] = mine
-                self._reduce_rows(rows, mine)
-                views.out_seg.copy_(mine)
+            rows = list(views.peer_rows)
+            rows[self.rank] = mine
+            self._reduce_rows(rows, mine)
+            views.out_seg.copy_(mine)
         self._step()
         for src, a, b in views.gathers:
             x[a:b].copy_(src)
@@ -366,6 +422,7 @@ class ShmAllReduce(AllReduce):
         self._views.clear()
         self._bases.clear()
         self._acc = None
+        self._cboard = None
         if board is not None:
             board.set_status(STATUS_CLOSED)
             board.release()

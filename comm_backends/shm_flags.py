@@ -86,7 +86,7 @@ class _Futex:
         self._syscall = ctypes.CDLL(None, use_errno=True).syscall
         self._syscall.restype = ctypes.c_long
         self._anchor = ctypes.c_char.from_buffer(mapping)  # pins the mapping until release()
-        self._base = ctypes.addressof(self._anchor)
+        self.base = ctypes.addressof(self._anchor)
         self._timeout = _Timespec(0, _FUTEX_TIMEOUT_NS)
         # A locked instruction is a full fence on x86; an uncontended lock round trip is one.
         self._lock = threading.Lock()
@@ -97,12 +97,12 @@ class _Futex:
 
     def wait(self, word: int, expected: int) -> None:
         """Sleep while the low 32 bits of int64 ``word`` equal ``expected``'s (or until timeout)."""
-        self._syscall(ctypes.c_long(_SYS_FUTEX_X86_64), ctypes.c_void_p(self._base + 8 * word),
+        self._syscall(ctypes.c_long(_SYS_FUTEX_X86_64), ctypes.c_void_p(self.base + 8 * word),
                       ctypes.c_long(_FUTEX_WAIT), ctypes.c_long(expected & 0xFFFFFFFF),
                       ctypes.byref(self._timeout), None, ctypes.c_long(0))
 
     def wake(self, word: int) -> None:
-        self._syscall(ctypes.c_long(_SYS_FUTEX_X86_64), ctypes.c_void_p(self._base + 8 * word),
+        self._syscall(ctypes.c_long(_SYS_FUTEX_X86_64), ctypes.c_void_p(self.base + 8 * word),
                       ctypes.c_long(_FUTEX_WAKE), ctypes.c_long(0x7FFFFFFF), None, None,
                       ctypes.c_long(0))
 
@@ -127,6 +127,11 @@ class FlagBoard:
         self._peer_sleep = tuple(r * LINE_WORDS + SLEEP_WORD for r in range(world) if r != rank)
         self._getcpu = _cpu_reader()
         self.broken: str | None = None
+
+    @property
+    def address(self) -> int:
+        """Where the header's words start in this process (for the compiled exchange)."""
+        return self._futex.base
 
     def publish(self, seq: int) -> None:
         words = self._words

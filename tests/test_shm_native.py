@@ -8,19 +8,39 @@ width (the scalar tail) are included.
 
 from __future__ import annotations
 
+import ctypes
+import subprocess
 from pathlib import Path
 
 import pytest
 import torch
 
 from comm_backends import shm_native
+from comm_backends.native_build import FLAGS, build, compiler
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 LENGTHS = (1, 7, 15, 16, 17, 33, 1000, 4099)
 
 
-@pytest.fixture(scope="module")
-def native() -> shm_native.NativeReduce:
+def _avx2_build() -> shm_native.NativeReduce:
+    """The 8-lane AVX2 + F16C path (CPUs without AVX-512), built from the same sources."""
+    flags = subprocess.run(["grep", "-m1", "-o", "avx2", "/proc/cpuinfo"], capture_output=True, text=True)
+    if "avx2" not in flags.stdout:
+        pytest.skip("this CPU has no AVX2")
+    cc = compiler()
+    assert cc is not None
+    path = build(shm_native.SOURCE, cc, (*FLAGS, "-mno-avx512f"), shm_native.DEPENDS)
+    lib = ctypes.CDLL(str(path))
+    lanes = lib.reduce_lanes
+    lanes.restype = ctypes.c_int32
+    assert lanes() == 8
+    return shm_native.bind_library(lib)
+
+
+@pytest.fixture(scope="module", params=["native", "avx2"])
+def native(request: pytest.FixtureRequest) -> shm_native.NativeReduce:
+    if request.param == "avx2":
+        return _avx2_build()
     kernel = shm_native.load()
     # CI and every supported host (x86-64 with AVX2) have a C compiler: a None here means the
     # backend silently lost its fast path, which is a failure, not a skip.
@@ -35,6 +55,12 @@ def _rows(count: int, n: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
                              torch.finfo(dtype).tiny / 4, -torch.finfo(dtype).tiny / 8, 1e-3])
     take = min(n, specials.numel())
     rows[count - 1, :take] = specials[:take].double()  # one row carries the special values
+    # ... again one element later, so that each lands on both even and odd positions (bf16
+    # sums even and odd elements in separate registers); inf + -inf makes a NaN on both.
+    take = min(n - take - 1, specials.numel())
+    if take > 0:
+        rows[count - 1, specials.numel() + 1 : specials.numel() + 1 + take] = specials[:take].double()
+        rows[0, specials.numel() + 1 : specials.numel() + 3] = torch.tensor([float("-inf"), float("inf")])
     return rows.to(dtype)
 
 
