@@ -1,6 +1,6 @@
 """Build a small C or C++ source at first use with the host compiler, cached per machine.
 
-Shared by the ``shm`` reduction (``shm_native``: plain C, loaded with ctypes, built in well
+Shared by the ``shm`` exchange (``shm_native``: plain C, loaded with ctypes, built in well
 under a second) and tpserve's dispatcher ops (``tpserve.layers.cpu_ops``: C++ against torch's
 headers, ~8 s once). Needs nothing but the host ``cc`` / ``c++``, which a fresh CI machine has.
 
