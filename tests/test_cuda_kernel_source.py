@@ -1,0 +1,84 @@
+"""The ``cuda_p2p`` kernel source compiles with NVRTC, as ``cupy.RawModule`` compiles it on a GPU
+machine, for every GPU generation the backend accepts, and every kernel name resolves.
+
+NVRTC needs no GPU, so this runs on CPU-only CI (NVRTC comes from the ``nvidia-cuda-nvrtc-cu12``
+wheel, a test dependency): without it a typo in the kernels would first show on a GPU host.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+from comm_backends.cuda_p2p_kernels import KERNELS, SOURCE
+
+# cuda_p2p needs acquire/release loads and stores: compute capability 7.0 and up.
+ARCHS = ("compute_70", "compute_80", "compute_90")
+
+
+def _nvrtc_path() -> str | None:
+    spec = importlib.util.find_spec("nvidia.cuda_nvrtc")
+    if spec is not None and spec.submodule_search_locations:
+        for root in spec.submodule_search_locations:
+            found = sorted(Path(root, "lib").glob("libnvrtc.so*"))
+            if found:
+                return str(found[0])
+    return ctypes.util.find_library("nvrtc")
+
+
+def _compile(lib: ctypes.CDLL, source: str, arch: str) -> tuple[int, str, str, dict[str, str]]:
+    """(status, log, ptx, {kernel: lowered name}) of one NVRTC compilation."""
+    prog = ctypes.c_void_p()
+    assert lib.nvrtcCreateProgram(ctypes.byref(prog), source.encode(), b"cuda_p2p.cu", 0, None, None) == 0
+    try:
+        for name in KERNELS:
+            assert lib.nvrtcAddNameExpression(prog, name.encode()) == 0
+        options = [b"--std=c++14", f"--gpu-architecture={arch}".encode()]  # as cuda_p2p passes
+        status = lib.nvrtcCompileProgram(prog, len(options), (ctypes.c_char_p * len(options))(*options))
+        size = ctypes.c_size_t()
+        lib.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
+        log = ctypes.create_string_buffer(size.value)
+        lib.nvrtcGetProgramLog(prog, log)
+        ptx, lowered = "", {}
+        if status == 0:
+            lib.nvrtcGetPTXSize(prog, ctypes.byref(size))
+            buf = ctypes.create_string_buffer(size.value)
+            lib.nvrtcGetPTX(prog, buf)
+            ptx = buf.value.decode()
+            for name in KERNELS:
+                low = ctypes.c_char_p()
+                assert lib.nvrtcGetLoweredName(prog, name.encode(), ctypes.byref(low)) == 0
+                lowered[name] = low.value.decode()
+        return status, log.value.decode(errors="replace"), ptx, lowered
+    finally:
+        lib.nvrtcDestroyProgram(ctypes.byref(prog))
+
+
+@pytest.fixture(scope="module")
+def nvrtc() -> ctypes.CDLL:
+    path = _nvrtc_path()
+    if path is None:
+        pytest.skip("NVRTC not installed (pip install nvidia-cuda-nvrtc-cu12)")
+    return ctypes.CDLL(path)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_kernels_compile_and_every_name_resolves(nvrtc: ctypes.CDLL, arch: str) -> None:
+    status, log, ptx, lowered = _compile(nvrtc, SOURCE, arch)
+    assert status == 0, log
+    assert set(lowered) == set(KERNELS)
+    for name, symbol in lowered.items():
+        assert f".entry {symbol}(" in ptx, name
+    # The flag protocol's system-scope release/acquire made it through as written.
+    assert "st.release.sys.global.u32" in ptx and "ld.acquire.sys.global.u32" in ptx
+
+
+def test_a_broken_source_is_reported(nvrtc: ctypes.CDLL) -> None:
+    """The harness itself can fail: a kernel that does not compile gives a status and a log."""
+    status, log, _, _ = _compile(nvrtc, SOURCE.replace("reduce_pack<E>(t, world, p)", "reduce_pack<E>(t)", 1),
+                                 "compute_80")
+    assert status != 0 and "reduce_pack" in log
