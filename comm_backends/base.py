@@ -26,33 +26,41 @@ class CommStats:
 
     Counting is always on (far cheaper than any allreduce); on CUDA, timing needs a device
     sync per call, so there it is only collected while ``enabled`` (profiling).
+
+    ``waited`` is the part of ``seconds`` spent waiting for late peers, where the backend can
+    tell (``shm``; 0 elsewhere): allreduce time that a faster transport would not remove.
     """
 
     enabled: bool = False
     calls: int = 0
     bytes: int = 0
     seconds: float = 0.0
-    by_phase: dict[str, list[float]] = field(default_factory=dict)
+    waited: float = 0.0
+    by_phase: dict[str, list[float]] = field(default_factory=dict)  # [calls, seconds, waited]
     phase: str = "other"
 
-    def record(self, nbytes: int, seconds: float) -> None:
+    def record(self, nbytes: int, seconds: float, waited: float = 0.0) -> None:
         self.calls += 1
         self.bytes += nbytes
         self.seconds += seconds
-        entry = self.by_phase.setdefault(self.phase, [0.0, 0.0])
+        self.waited += waited
+        entry = self.by_phase.setdefault(self.phase, [0.0, 0.0, 0.0])
         entry[0] += 1
         entry[1] += seconds
+        entry[2] += waited
 
     def snapshot(self) -> dict[str, object]:
         return {
             "calls": self.calls,
             "bytes": self.bytes,
             "seconds": self.seconds,
-            "by_phase": {k: {"calls": int(v[0]), "seconds": v[1]} for k, v in self.by_phase.items()},
+            "waited_seconds": self.waited,
+            "by_phase": {k: {"calls": int(v[0]), "seconds": v[1], "waited_seconds": v[2]}
+                         for k, v in self.by_phase.items()},
         }
 
     def reset(self) -> None:
-        self.calls, self.bytes, self.seconds = 0, 0, 0.0
+        self.calls, self.bytes, self.seconds, self.waited = 0, 0, 0.0, 0.0
         self.by_phase.clear()
 
 
@@ -87,6 +95,10 @@ class AllReduce(ABC):
     def _all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
         """Backend-specific sum; may work in place and return ``tensor``."""
 
+    def waited_seconds(self) -> float:
+        """Seconds spent so far waiting for late peers (0 where the backend cannot tell)."""
+        return 0.0
+
     def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
         if self.world_size == 1:
             return tensor
@@ -98,11 +110,11 @@ class AllReduce(ABC):
             return self._all_reduce(tensor)
         if tensor.is_cuda:
             torch.cuda.synchronize(tensor.device)
-        start = time.perf_counter()
+        start, waited = time.perf_counter(), self.waited_seconds()
         out = self._all_reduce(tensor)
         if tensor.is_cuda:
             torch.cuda.synchronize(tensor.device)
-        self.stats.record(nbytes, time.perf_counter() - start)
+        self.stats.record(nbytes, time.perf_counter() - start, self.waited_seconds() - waited)
         return out
 
     def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:

@@ -367,6 +367,10 @@ class ShmAllReduce(AllReduce):
             self._acc = torch.empty(max(numel, self._half // 2), dtype=torch.float32)
         return self._acc[:numel]
 
+    def waited_seconds(self) -> float:
+        """FlagBoard's slow waits; with the compiled exchange, after its ~20 us spin."""
+        return self._board.waited_s if self._board is not None else 0.0
+
     def _exchange(self, plan: ExchangePlan, x: torch.Tensor) -> None:
         """The compiled exchange; waits it hands back get FlagBoard's full waiting policy."""
         seq, address = self._seq + 1, x.data_ptr()

@@ -130,6 +130,7 @@ class FlagBoard:
         self._peer_sleep = tuple(r * LINE_WORDS + SLEEP_WORD for r in range(world) if r != rank)
         self._getcpu = _cpu_reader()
         self._next_unstack = 0.0
+        self.waited_s = 0.0  # time in _wait_slow: a peer had not published when we got there
         self.broken: str | None = None
 
     @property
@@ -165,6 +166,13 @@ class FlagBoard:
                 self._wait_slow(peer, index, seq)
 
     def _wait_slow(self, peer: int, index: int, seq: int) -> None:
+        start = time.perf_counter()
+        try:
+            self._wait_for(peer, index, seq)
+        finally:
+            self.waited_s += time.perf_counter() - start
+
+    def _wait_for(self, peer: int, index: int, seq: int) -> None:
         words = self._words
         stacked = self._stacked(seq) and not self._unstack()
         spin_until = time.perf_counter() + (0.0 if stacked else self._spin_s)

@@ -78,6 +78,8 @@ def measure(url: str, s: Setting, args: argparse.Namespace, prompts: list[str]) 
         "tok_s": tokens / seconds, "step_ms": prof.get("step_ms_avg", 0.0), "phases_ms": phases,
         "allreduce_ms_per_step": sum(v["ms_per_step"] for v in prof.get("allreduce", {}).values()),
         "allreduce_calls_per_step": sum(v["calls_per_step"] for v in prof.get("allreduce", {}).values()),
+        "allreduce_wait_ms_per_step": sum(v.get("wait_ms_per_step", 0.0)
+                                          for v in prof.get("allreduce", {}).values()),
         "accept_length": spec_stats.get("avg_accept_length") if s.spec else 1.0,
         "position_rates": spec_stats.get("position_accept_rate", []) if s.spec else [],
     }

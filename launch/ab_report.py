@@ -16,13 +16,14 @@ def speedups(rows: list[dict[str, Any]]) -> dict[str, float]:
 def render_table(rows: list[dict[str, Any]], predicted: list[dict[str, Any]]) -> str:
     ups = speedups(rows)
     phase_names = sorted({p for r in rows for p in r["phases_ms"]})
-    head = ["setting", "tok/s", "pred", "accept", "speedup", "step ms", "AR ms", "AR calls"] + phase_names
+    head = ["setting", "tok/s", "pred", "accept", "speedup", "step ms", "AR ms", "AR wait ms",
+            "AR calls"] + phase_names
     lines = [" | ".join(head), " | ".join("---" for _ in head)]
     for r in rows:
         cells = [r["setting"], f"{r['tok_s']:.1f}", _fmt(r.get("predicted_tok_s")),
                  _fmt(r.get("accept_length"), 2), _fmt(ups.get(r["setting"]), 2),
                  f"{r['step_ms']:.2f}", f"{r['allreduce_ms_per_step']:.2f}",
-                 f"{r['allreduce_calls_per_step']:.0f}"]
+                 _fmt(r.get("allreduce_wait_ms_per_step"), 2), f"{r['allreduce_calls_per_step']:.0f}"]
         cells += [_fmt(r["phases_ms"].get(p), 2) for p in phase_names]
         lines.append(" | ".join(cells))
     for p in predicted:
@@ -58,7 +59,9 @@ def verdict(rows: list[dict[str, Any]]) -> str:
     text += (f" The limiting phase of that setting is '{limiter}' ({phases.get(limiter, 0.0):.2f} ms, "
              f"{share:.0%} of a {top_spec['step_ms']:.2f} ms step); allreduces take "
              f"{top_spec['allreduce_ms_per_step']:.2f} ms per step "
-             f"({top_spec['allreduce_calls_per_step']:.0f} calls).")
+             f"({top_spec['allreduce_calls_per_step']:.0f} calls"
+             + (f", {top_spec['allreduce_wait_ms_per_step']:.2f} ms of it waiting for a late rank"
+                if top_spec.get("allreduce_wait_ms_per_step") else "") + ").")
     return text
 
 

@@ -248,6 +248,24 @@ def _scenario_interrupted(rank: int, world: int) -> str:
     return str(info.value)
 
 
+def _scenario_wait_accounting(rank: int, world: int) -> list[tuple[float, float]]:
+    """Rank 1 arrives 0.2 s late to one call: rank 0's stats must put that in ``waited``."""
+    cpu = torch.device("cpu")
+    out = []
+    for backend in (ShmAllReduce(None, cpu), ShmAllReduce(None, cpu, ShmConfig(native=False))):
+        backend.all_reduce(torch.ones(1000))
+        backend.stats.reset()
+        dist.barrier()
+        if rank == 1:
+            time.sleep(0.2)
+        backend.all_reduce(torch.ones(1000))
+        out.append((backend.stats.waited, backend.stats.seconds))
+        snap = backend.stats.snapshot()
+        assert snap["waited_seconds"] == snap["by_phase"]["other"]["waited_seconds"] == backend.stats.waited
+        backend.close()
+    return out
+
+
 # ---------------------------------------------------------------------------- tests
 @pytest.mark.parametrize("world", [2, 4, 8])
 def test_gloo_and_shm_match_reference_and_are_bit_identical(world: int, tmp_path: Path) -> None:
@@ -259,6 +277,12 @@ def test_gloo_and_shm_match_reference_and_are_bit_identical(world: int, tmp_path
         _, first, second = (sum(r["handed_back"][i] for r in results.values()) for i in range(3))
         assert first > 0 and second > 0, (first, second)
     assert _segments_of(results[0]["pid"]) == []  # nothing left after a normal exit
+
+
+def test_time_waiting_for_a_late_rank_is_reported(tmp_path: Path) -> None:
+    results = run_world(2, _scenario_wait_accounting, tmp_path)
+    for waited, seconds in results[0]:  # compiled exchange, then torch ops
+        assert 0.15 <= waited <= seconds, (waited, seconds)
 
 
 def test_back_to_back_varying_sizes_on_two_groups(tmp_path: Path) -> None:

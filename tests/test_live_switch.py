@@ -110,8 +110,12 @@ def test_profiler_accounts_for_step_time_and_allreduces(plain: str) -> None:
     calls = prof["allreduce"]["decode"]["calls"]
     # two per layer, plus the vocab-parallel embedding and the LM head's gather
     assert calls == decode_steps * (2 * LAYERS + 2), (calls, decode_steps)
+    decode_ar = prof["allreduce"]["decode"]
+    assert 0.0 <= decode_ar["wait_ms_per_step"] <= decode_ar["ms_per_step"], decode_ar
     metrics = httpx.get(plain + "/metrics", timeout=30).text
     assert 'tpserve_phase_ms_per_step{phase="decode"}' in metrics
+    assert 'tpserve_phase_allreduce_wait_ms_per_step{phase="decode"}' in metrics
+    assert 'tpserve_allreduce_wait_seconds_total{backend="shm"}' in metrics
 
 
 def test_speculation_switch_live_keeps_outputs(spec: str) -> None:
@@ -140,6 +144,7 @@ def test_harness_end_to_end(spec: str, tmp_path: Path) -> None:
                    "--predict-steps", "1,4", "--out", str(tmp_path)])
     assert len(report["rows"]) == 4
     assert all(r["tok_s"] > 0 for r in report["rows"])
+    assert all(0.0 <= r["allreduce_wait_ms_per_step"] <= r["allreduce_ms_per_step"] for r in report["rows"])
     assert all("predicted_tok_s" in r for r in report["rows"])
     assert {p["setting"].split()[1] for p in report["predicted"]} == {"spec=1/1/2", "spec=4/1/5"}
     assert "Best setting" in report["verdict"]

@@ -94,19 +94,22 @@ class StepProfiler:
         }
 
     def allreduce_by_phase(self, steps: int) -> dict[str, dict[str, float]]:
-        """Allreduce calls and ms per step, per phase, since the last reset (all backends)."""
+        """Allreduce calls, ms and ms waiting for a late rank per step, per phase, since the
+        last reset (all backends)."""
         if self.comm is None:
             return {}
         out: dict[str, dict[str, float]] = {}
         for backend, snap in self.comm.stats().items():
             base = self._baseline.get(backend, {}).get("by_phase", {})
             for phase, entry in snap["by_phase"].items():
-                prev = base.get(phase, {"calls": 0, "seconds": 0.0})
-                agg = out.setdefault(phase, {"calls": 0.0, "ms": 0.0})
+                prev = base.get(phase, {"calls": 0, "seconds": 0.0, "waited_seconds": 0.0})
+                agg = out.setdefault(phase, {"calls": 0.0, "ms": 0.0, "wait_ms": 0.0})
                 agg["calls"] += entry["calls"] - prev["calls"]
                 agg["ms"] += 1e3 * (entry["seconds"] - prev["seconds"])
+                agg["wait_ms"] += 1e3 * (entry["waited_seconds"] - prev["waited_seconds"])
         return {p: {"calls_per_step": v["calls"] / steps, "ms_per_step": v["ms"] / steps,
-                    "calls": v["calls"]} for p, v in out.items()}
+                    "wait_ms_per_step": v["wait_ms"] / steps, "calls": v["calls"]}
+                for p, v in out.items()}
 
 
 @dataclass

@@ -58,12 +58,17 @@ def _allreduce(stats: dict[str, Any]) -> Iterator[Any]:
     seconds = CounterMetricFamily("tpserve_allreduce_seconds",
                                   "time in allreduce on rank 0 (on CUDA only while "
                                   "profiling: timing there needs a device sync)", labels=["backend"])
+    waited = CounterMetricFamily("tpserve_allreduce_wait_seconds",
+                                 "part of tpserve_allreduce_seconds rank 0 spent waiting for a late "
+                                 "rank (backends that can tell: shm)", labels=["backend"])
     for name, snap in stats.items():
         if isinstance(snap, dict):
             calls.add_metric([name], float(snap.get("calls", 0)))
             seconds.add_metric([name], float(snap.get("seconds", 0.0)))
+            waited.add_metric([name], float(snap.get("waited_seconds", 0.0)))
     yield calls
     yield seconds
+    yield waited
 
 
 def _speculative(extra: dict[str, Any]) -> Iterator[Any]:
@@ -99,11 +104,16 @@ def _profile(prof: dict[str, Any]) -> Iterator[Any]:
                               "allreduce ms per step issued from a phase", labels=["phase"])
     ar_calls = GaugeMetricFamily("tpserve_phase_allreduce_calls_per_step",
                                  "allreduce calls per step issued from a phase", labels=["phase"])
+    ar_wait = GaugeMetricFamily("tpserve_phase_allreduce_wait_ms_per_step",
+                                "of the allreduce ms per step, waiting for a late rank",
+                                labels=["phase"])
     for name, entry in prof.get("allreduce", {}).items():
         ar_ms.add_metric([name], float(entry["ms_per_step"]))
         ar_calls.add_metric([name], float(entry["calls_per_step"]))
+        ar_wait.add_metric([name], float(entry.get("wait_ms_per_step", 0.0)))
     yield ar_ms
     yield ar_calls
+    yield ar_wait
 
 
 class ServerMetrics:
