@@ -26,7 +26,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from comm_backends.native_build import FLAGS, build, compiler
+from comm_backends.native_build import load_library
 from tpserve.layers import cpu_ops
 
 OUT = (1, 3, 4, 5, 17, 64)  # weight rows: the 4-row tile and its remainder
@@ -172,7 +172,6 @@ def test_mean_square_outside_the_loop_is_aten(case: str) -> None:
 
 _FALLBACK = """
 import torch
-from comm_backends.native_build import FLAGS, build, compiler
 from tpserve.layers import cpu_ops
 torch.set_num_threads(1)
 loaded = cpu_ops.load()
@@ -201,11 +200,8 @@ def test_switches_fall_back_to_torch(env: str, value: str, expected: str) -> Non
 def test_avx2_build_within_one_ulp() -> None:
     """The 8-lane AVX2 path (CPUs without AVX-512), built from the same gemv.c via ctypes."""
     source = Path(cpu_ops.__file__).with_name("gemv.c")
-    cc = compiler()
-    assert cc is not None
-    lib = ctypes.CDLL(str(build(source, cc, (*FLAGS, "-mno-avx512f"))))
-    lib.gemv_lanes.restype = ctypes.c_int32
-    assert lib.gemv_lanes() == 8
+    lib, lanes = load_library(source, "gemv_lanes", extra_flags=("-mno-avx512f",))
+    assert lanes == 8
     fn = lib.gemm_bf16
     fn.restype = ctypes.c_int32
     fn.argtypes = (ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64,

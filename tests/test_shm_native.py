@@ -8,15 +8,13 @@ width (the scalar tail) are included.
 
 from __future__ import annotations
 
-import ctypes
-import subprocess
 from pathlib import Path
 
 import pytest
 import torch
 
 from comm_backends import shm_native
-from comm_backends.native_build import FLAGS, build, compiler
+from comm_backends.native_build import load_library
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 LENGTHS = (1, 7, 15, 16, 17, 33, 1000, 4099)
@@ -24,16 +22,10 @@ LENGTHS = (1, 7, 15, 16, 17, 33, 1000, 4099)
 
 def _avx2_build() -> shm_native.NativeReduce:
     """The 8-lane AVX2 + F16C path (CPUs without AVX-512), built from the same sources."""
-    flags = subprocess.run(["grep", "-m1", "-o", "avx2", "/proc/cpuinfo"], capture_output=True, text=True)
-    if "avx2" not in flags.stdout:
+    if " avx2" not in Path("/proc/cpuinfo").read_text():
         pytest.skip("this CPU has no AVX2")
-    cc = compiler()
-    assert cc is not None
-    path = build(shm_native.SOURCE, cc, (*FLAGS, "-mno-avx512f"), shm_native.DEPENDS)
-    lib = ctypes.CDLL(str(path))
-    lanes = lib.reduce_lanes
-    lanes.restype = ctypes.c_int32
-    assert lanes() == 8
+    lib, lanes = load_library(shm_native.SOURCE, "reduce_lanes", shm_native.DEPENDS, ("-mno-avx512f",))
+    assert lanes == 8
     return shm_native.bind_library(lib)
 
 
