@@ -1,0 +1,22 @@
+"""The one typed error for configuration problems found before or during start-up.
+
+Library code raises ``ConfigError`` (never ``SystemExit``) so the offline engine, tests and
+benchmarks can catch a bad setting as an ordinary exception; ``tpserve.__main__`` alone turns
+it into one line on stderr and exit code 2.
+"""
+
+from __future__ import annotations
+
+
+class ConfigError(ValueError):
+    """A flag, checkpoint or environment that tpserve cannot serve as given.
+
+    ``flag`` names the command-line flag to change (e.g. ``--tp-size``), when one does.
+    """
+
+    def __init__(self, message: str, flag: str | None = None) -> None:
+        super().__init__(message)
+        self.flag = flag
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else ""
