@@ -29,9 +29,15 @@ def main(argv: list[str] | None = None) -> int:
     rank = os.environ.get("RANK", "0")
     logging.basicConfig(level=args.log_level.upper(),
                         format=f"[%(asctime)s rank{rank}] %(levelname)s %(name)s: %(message)s")
+    from tpserve.errors import ConfigError
     from tpserve.serve import run
 
-    return run(args)
+    try:
+        return run(args)
+    except ConfigError as exc:
+        # The one place a configuration error becomes a process exit: one line, code 2.
+        print(f"error: {exc}", file=sys.stderr, flush=True)
+        return 2
 
 
 if __name__ == "__main__":
