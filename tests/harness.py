@@ -122,9 +122,7 @@ def build_engine(model_dir: Path, tp: TPContext, channel: Any = None, pages: int
                  page_size: int = 4, max_running: int = 16, chunk: int = 64,
                  dtype: torch.dtype = torch.float32, context_length: int = 200) -> Engine:
     model = build_model(model_dir, tp, dtype, torch.device("cpu"), context_length + 64)
-    cfg = model.cfg
-    kv = KVCache(KVCacheConfig(pages, page_size, cfg.num_layers, model.layers[0].self_attn.kv_heads,
-                               cfg.head_dim, dtype), torch.device("cpu"))
+    kv = KVCache(KVCacheConfig(pages, page_size, model.kv_layout(), dtype), torch.device("cpu"))
     runner = ModelRunner(model, kv, torch.device("cpu"), getattr(tp.comm, "switch", None))
     sched = Scheduler(SchedulerConfig(page_size, max_running, chunk, context_length),
                       PageAllocator(pages))

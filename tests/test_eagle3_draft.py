@@ -74,7 +74,7 @@ def test_draft_logits_match_reference(tmp_path: Path, arch: str) -> None:
     aux = torch.cat([states[1][0], states[2][0], _last_output(hf, tokens)], -1)
     draft = build_eagle3(draft_dir, cfg, TPContext.single(), torch.float32,
                          torch.device("cpu"), 64)
-    kv = KVCache(KVCacheConfig(8, 4, 1, 2, 16, torch.float32), torch.device("cpu"))
+    kv = KVCache(KVCacheConfig.gqa(8, 4, 1, 2, 16, torch.float32), torch.device("cpu"))
     t = tokens.shape[1]
     plan = StepPlan(kind="draft", token_ids=tokens.numpy(), q_lens=np.array([t]),
                     cached_lens=np.array([0]), page_table=np.array([[1, 2, 3]]))

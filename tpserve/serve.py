@@ -97,19 +97,18 @@ def agree_min(value: int, info: RankInfo) -> int:
 
 def make_kv(args: ServerArgs, cfg: ModelConfig, model: Any, info: RankInfo,
             dtype: torch.dtype, context_length: int) -> KVCache:
-    kv_heads = model.layers[0].self_attn.kv_heads
+    layout = model.kv_layout()
     # CUDA graphs are captured after the KV cache exists: leave room for them first.
     reserve = graph_reserve_bytes(args, ModelShape.of(model, dtype), context_length, info.device)
     pages = KVCacheConfig.pages_for_budget(max(0, kv_budget_bytes(args, info) - reserve),
-                                           args.page_size, cfg.num_layers, kv_heads,
-                                           cfg.head_dim, dtype)
+                                           args.page_size, layout, dtype)
     if args.max_total_tokens:
         pages = min(pages, -(-args.max_total_tokens // args.page_size) + 1)
     pages = agree_min(pages, info)
     if (pages - 1) * args.page_size < min(context_length, 2 * args.page_size):
         raise SystemExit(f"error: KV budget gives only {pages - 1} pages; raise --kv-cache-gb "
                          "or --mem-fraction-static")
-    kv_cfg = KVCacheConfig(pages, args.page_size, cfg.num_layers, kv_heads, cfg.head_dim, dtype)
+    kv_cfg = KVCacheConfig(pages, args.page_size, layout, dtype)
     log.info("KV cache: %d pages x %d tokens (%.1f MB per rank)", pages, args.page_size,
              pages * args.page_size * kv_cfg.bytes_per_token / 1e6)
     return KVCache(kv_cfg, info.device)

@@ -37,8 +37,8 @@ def build_spec(cfg: SpecConfig, draft_path: str, runner: ModelRunner, tp: TPCont
     kv = runner.kv.cfg
     base = draft_cfg.base
     # Same pages as the target: the draft reuses each request's page table.
-    draft_kv = KVCache(KVCacheConfig(kv.num_pages, kv.page_size, 1,
-                                     draft.self_attn.kv_heads, base.head_dim, dtype),
+    draft_kv = KVCache(KVCacheConfig.gqa(kv.num_pages, kv.page_size, 1,
+                                         draft.self_attn.kv_heads, base.head_dim, dtype),
                        runner.device)
     log.info("EAGLE-3 draft: aux layer inputs %s, steps %d, topk %d, %d draft tokens",
              aux, cfg.num_steps, cfg.topk, cfg.num_draft_tokens)
