@@ -37,7 +37,7 @@ def test_starting_then_hand_over_without_refusing_connections() -> None:
         except httpx.ConnectError:
             threading.Event().wait(0.05)
     assert first.status_code == 503 and first.headers["retry-after"] == "5"
-    responder.set_phase("loading weights (torch.bfloat16)")
+    responder.set_stage("loading weights (torch.bfloat16)")
     other = httpx.post(url + "/generate", json={"text": "x"}, timeout=2)
     assert other.status_code == 503
     assert other.json()["error"]["message"] == "server is starting (loading weights (torch.bfloat16))"

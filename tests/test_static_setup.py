@@ -17,6 +17,7 @@ from tpserve.engine.static_setup import (
     make_executor,
     max_keys,
 )
+from tpserve.errors import ConfigError
 
 SHAPE = ModelShape(vocab=128256, hidden=2048, inter_local=8192, heads_local=32,
                    kv_heads_local=8, head_dim=64, itemsize=2)
@@ -35,7 +36,7 @@ def test_capture_safety() -> None:
     reason = capture_unsafe_reason(comm, 2)
     assert reason is not None and "'gloo' is not CUDA-graph capture-safe" in reason
     args = ServerArgs(device="cuda")
-    with pytest.raises(SystemExit, match="capture-safe"):
+    with pytest.raises(ConfigError, match="capture-safe"):
         make_executor(args, [], CUDA, comm, 2, 128)
 
 

@@ -58,11 +58,6 @@ class KVCacheConfig:
         """Tokens the pool holds (page 0 is the dummy page)."""
         return (self.num_pages - 1) * self.page_size
 
-    @staticmethod
-    def pages_for_budget(budget_bytes: int, page_size: int, layout: KVLayout,
-                         dtype: torch.dtype) -> int:
-        return max(2, budget_bytes // (layout.bytes_per_token(dtype) * page_size))
-
 
 class KVCache:
     def __init__(self, cfg: KVCacheConfig, device: torch.device) -> None:

@@ -89,10 +89,15 @@ class Request:
 
 def new_request(rid: str, prompt: list[int], params: SamplingParams, tokenizer: Tokenizer,
                 eos_ids: frozenset[int], fallback_seed: int,
-                emit: Callable[[RequestOutput], None]) -> Request:
-    """A request with its own RNG (``params.seed``, else ``fallback_seed``), detokenizer and stops."""
+                emit: Callable[[RequestOutput], None],
+                device: torch.device | str = "cpu") -> Request:
+    """A request with its own RNG (``params.seed``, else ``fallback_seed``), detokenizer and stops.
+
+    The generator lives on ``device``, the engine's: sampling draws on the logits' device, and
+    a CPU generator cannot drive a CUDA draw.
+    """
     return Request(
         rid=rid, prompt_ids=list(prompt), params=params,
-        generator=make_generator(params.seed, fallback_seed),
+        generator=make_generator(params.seed, fallback_seed, device),
         detok=IncrementalDetokenizer(tokenizer, params.skip_special_tokens, prompt),
         stop=StopChecker(params.stop), eos_ids=eos_ids, emit=emit)

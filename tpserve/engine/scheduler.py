@@ -16,7 +16,7 @@ import numpy as np
 
 from tpserve.engine.finish import abort
 from tpserve.engine.kv_cache import PageAllocator
-from tpserve.engine.plan import StepPlan
+from tpserve.engine.messages import ForwardStep
 from tpserve.engine.request import Request
 
 
@@ -150,7 +150,7 @@ class Scheduler:
         self.waiting.appendleft(victim)
         self.preemptions += 1
 
-    def plan(self, batch: ScheduledBatch) -> StepPlan:
+    def plan(self, batch: ScheduledBatch) -> ForwardStep:
         """The compact per-step message every rank expands into tensors."""
         q_max = max(batch.q_lens)
         b = len(batch.requests)
@@ -161,8 +161,8 @@ class Scheduler:
             tokens[i, :q] = req.tokens(req.num_cached, req.num_cached + q)
             pages[i, : len(req.pages)] = req.pages
         rows = [i * q_max + q - 1 for i, (q, s) in enumerate(zip(batch.q_lens, batch.samples())) if s]
-        return StepPlan(
-            kind="forward", token_ids=tokens, q_lens=np.array(batch.q_lens, dtype=np.int32),
+        return ForwardStep(
+            token_ids=tokens, q_lens=np.array(batch.q_lens, dtype=np.int32),
             cached_lens=np.array([r.num_cached for r in batch.requests], dtype=np.int32),
             page_table=pages, logit_rows=np.array(rows, dtype=np.int64),
         )

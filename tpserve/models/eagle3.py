@@ -22,6 +22,7 @@ from safetensors import safe_open
 from torch import nn
 
 from tpserve.engine.forward_batch import ForwardBatch
+from tpserve.errors import ConfigError
 from tpserve.layers.linear import RowParallelLinear
 from tpserve.layers.norm import RMSNorm
 from tpserve.layers.rotary import RotaryEmbedding
@@ -74,10 +75,11 @@ def aux_layer_indices(cfg: Eagle3Config, target_layers: int) -> tuple[int, ...]:
     else:
         idx = (2, target_layers // 2, target_layers - 3)
     if len(idx) != 3 or len(set(idx)) != 3 or not all(0 <= i <= target_layers for i in idx):
-        raise SystemExit(
-            f"error: the EAGLE-3 draft needs 3 distinct auxiliary hidden states, but a target "
-            f"with {target_layers} layers gives layer inputs {list(idx)}; use a target with at "
-            "least 7 layers or a draft whose config sets eagle_aux_hidden_state_layer_ids")
+        raise ConfigError(
+            f"the EAGLE-3 draft needs 3 distinct auxiliary hidden states, but a target with "
+            f"{target_layers} layers gives layer inputs {list(idx)}; use a target with at least "
+            "7 layers or a draft whose config sets eagle_aux_hidden_state_layer_ids",
+            "--speculative-draft-model-path")
     return idx
 
 

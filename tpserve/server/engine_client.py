@@ -159,7 +159,7 @@ class EngineClient:
         rid = rid or uuid.uuid4().hex
         req = new_request(rid, ids, params, self.tokenizer, self.eos_ids,
                           self.limits.server_seed + next(self._counter),
-                          lambda out: _deliver(loop, events, out))
+                          lambda out: _deliver(loop, events, out), self.engine.device)
         started, previous = time.perf_counter(), None
         last: RequestOutput | None = None
         try:

@@ -59,7 +59,9 @@ def _engine_snapshot(engine: Any) -> dict[str, Any]:
         "num_running_reqs": len(sched.running),
         "num_waiting_reqs": len(sched.waiting),
         "preemptions": sched.preemptions,
-        "engine": dataclasses.asdict(stats),
+        # Speculation statistics belong to the decoder; reported where clients read them.
+        "engine": {**dataclasses.asdict(stats),
+                   "extra": {"spec": engine.spec.snapshot()} if engine.spec is not None else {}},
         "control_message_us_avg": 1e6 * stats.control_seconds / max(1, stats.steps),
         "active": engine.active_settings(),
         "profile": engine.profiler.snapshot(),

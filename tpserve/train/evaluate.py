@@ -70,7 +70,7 @@ def accept_eval(target: Path, draft: Path, prompts: list[list[int]], max_tokens:
     engine = OfflineEngine(engine_args(target, draft, setting, device))
     params = SamplingParams(max_new_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     outs = engine.generate(prompts, params)
-    spec = engine.engine.stats.extra.get("spec", {})
+    spec = engine.spec.snapshot() if engine.spec is not None else {}
     engine.close()
     per_request = [o.meta.get("spec_accept_length", 0.0) for o in outs]
     return {"setting": setting.label, "prompts": len(prompts),
