@@ -25,10 +25,6 @@ class Buckets:
     batch_sizes: tuple[int, ...]  # ascending
     key_sizes: tuple[int, ...]  # ascending; each a multiple of the page size
 
-    @property
-    def max_batch(self) -> int:
-        return self.batch_sizes[-1] if self.batch_sizes else 0
-
     def pick(self, batch: int, keys: int) -> tuple[int, int] | None:
         """Smallest (B, T) bucket holding a batch; None when it must run eagerly."""
         b = next((s for s in self.batch_sizes if s >= batch), None)

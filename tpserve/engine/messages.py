@@ -13,7 +13,6 @@ what a rank receives is exactly the fields below, nothing executable.
 from __future__ import annotations
 
 import dataclasses
-import json
 import struct
 from dataclasses import dataclass
 from typing import Any, Union
@@ -162,10 +161,3 @@ def _get(buf: memoryview, at: int) -> tuple[Any, int]:
             values[f.name], at = _get(buf, at)
         return cls(**values), at
     raise ValueError(f"corrupt step message (tag {tag!r})")
-
-
-def describe(msg: StepMessage) -> str:
-    """One line for logs: the kind and its array shapes."""
-    parts = {f.name: (getattr(msg, f.name).shape if isinstance(getattr(msg, f.name), np.ndarray)
-                      else getattr(msg, f.name)) for f in dataclasses.fields(msg)}
-    return f"{type(msg).__name__} {json.dumps(parts, default=str)}"
