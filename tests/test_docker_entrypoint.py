@@ -17,6 +17,7 @@ import sys
 import time
 from pathlib import Path
 
+import httpx
 import pytest
 
 from tests.harness import free_port
@@ -167,24 +168,32 @@ def group_gone(pgid: int, timeout: float) -> bool:
 
 
 def test_serves_the_demo_model_and_stops_on_sigterm(tmp_path: Path) -> None:
-    """The real thing at TP = 1 on CPU: /health turns 200, the image's healthcheck agrees,
-    SIGTERM to the exec'd torchrun (PID 1 in a container) ends every process."""
+    """The real thing at TP = 1 on CPU, with an API key from the environment as the documented
+    run lines pass it: /health turns 200 (it needs no key, so the image's healthcheck works),
+    other paths want the key, and SIGTERM to the exec'd torchrun (PID 1's child in a
+    container) ends every process."""
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    env = {**os.environ, "TPSERVE_NPROC": "1", "TPSERVE_CACHE": str(tmp_path),
+    # The native-build cache is inherited (keyed by source hash, so sharing it is safe): a
+    # fresh one would add the ~10 s C++ build to a test about the launcher.
+    env = {**os.environ, "TPSERVE_NPROC": "1", "TPSERVE_API_KEY": "sesame",
            "PATH": os.pathsep.join([str(Path(sys.executable).parent), os.environ["PATH"]]),
-           "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
     env.pop("CUDA_VISIBLE_DEVICES", None)
     log_path = tmp_path / "server.log"
     with open(log_path, "w") as log:
         proc = subprocess.Popen(["sh", str(SCRIPT), "--device", "cpu", "--port", str(port),
-                                 "--kv-cache-gb", "0.05", "--context-length", "256"],
+                                 "--kv-cache-gb", "0.05", "--context-length", "256",
+                                 "--skip-server-warmup"],
                                 env=env, stdout=log, stderr=subprocess.STDOUT,
                                 start_new_session=True)
         try:
             wait_healthy(url, proc, 120, log_path)
             check = [sys.executable, str(HEALTHCHECK), "--", "--port", str(port)]
             assert subprocess.run(check, capture_output=True, timeout=30).returncode == 0
+            assert httpx.get(url + "/get_model_info", timeout=10).status_code == 401
+            authorized = {"Authorization": "Bearer sesame"}
+            assert httpx.get(url + "/get_model_info", headers=authorized, timeout=10).is_success
             proc.send_signal(signal.SIGTERM)  # the exec'd torchrun, not a shell around it
             proc.wait(timeout=45)
             text = log_path.read_text()
