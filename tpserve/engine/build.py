@@ -156,7 +156,8 @@ def _load_config(model_dir: Path) -> ModelConfig:
 def _scheduler(args: ServerArgs, kv: KVCache, context_length: int,
                spec_cfg: SpecConfig | None) -> Scheduler:
     cfg = SchedulerConfig(args.page_size, args.max_running_requests, args.chunked_prefill_size,
-                          context_length, spec_cfg.lookahead if spec_cfg else 0)
+                          context_length, spec_cfg.lookahead if spec_cfg else 0,
+                          prefix_cache=not args.disable_radix_cache)
     return Scheduler(cfg, PageAllocator(kv.cfg.num_pages))
 
 

@@ -28,6 +28,7 @@ class DraftFeed:
     drop: np.ndarray  # [D] int64: keys of requests that finished (forget their state)
     prev_tokens: np.ndarray  # flat int64: per request, tokens pairing with held features
     prev_lens: np.ndarray  # [B] int32: how many of prev_tokens belong to each request
+    fresh: np.ndarray  # [B] bool: the request's first chunk since admission (no draft state)
 
 
 @dataclass(frozen=True)

@@ -43,6 +43,8 @@ class Request:
     output_ids: list[int] = field(default_factory=list)
     pages: list[int] = field(default_factory=list)
     num_cached: int = 0  # tokens whose KV is in the cache
+    prefix_path: list[Any] = field(default_factory=list)  # locked prefix-cache nodes
+    cached_prefix: int = 0  # tokens reused from the prefix cache at the last admission
     text: str = ""
     streamed_text: int = 0
     streamed_ids: int = 0

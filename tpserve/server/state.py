@@ -56,6 +56,10 @@ def _engine_snapshot(engine: Any) -> dict[str, Any]:
         "allreduce_stats": comm.stats() if comm else {},
         "kv_pages_total": sched.allocator.num_usable,
         "kv_pages_free": sched.allocator.num_free,
+        "prefix_cache": None if sched.cache is None else {
+            "pages": sched.cache.num_pages, "hit_tokens": sched.cache.stats.hit_tokens,
+            "queried_tokens": sched.cache.stats.queried_tokens,
+            "hit_rate": sched.cache.stats.hit_rate},
         "num_running_reqs": len(sched.running),
         "num_waiting_reqs": len(sched.waiting),
         "preemptions": sched.preemptions,

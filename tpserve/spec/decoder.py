@@ -79,18 +79,20 @@ class SpecDecoder:
 
     def draft_feed(self, reqs: Sequence[Request], live: Sequence[Request]) -> DraftFeed:
         """What a plain step must tell every rank's drafter about ``reqs``."""
-        prev = [self._held_tokens(r) for r in reqs]
+        fresh = [r.num_cached == r.cached_prefix for r in reqs]
+        prev = [[] if new else self._held_tokens(r) for r, new in zip(reqs, fresh, strict=True)]
         return DraftFeed(np.array([request_key(r) for r in reqs], dtype=np.int64),
                          self._drops(live),
                          np.array([t for p in prev for t in p], dtype=np.int64),
-                         np.array([len(p) for p in prev], dtype=np.int32))
+                         np.array([len(p) for p in prev], dtype=np.int32),
+                         np.array(fresh, dtype=np.bool_))
 
     def _held_tokens(self, req: Request) -> list[int]:
         """Tokens that pair with all but the last pending feature of ``req`` (none after a
         prefill chunk; the accepted run after a speculative step, if speculation was then
         switched off live)."""
         held = self.drafter.pending.get(request_key(req))
-        if req.num_cached == 0 or held is None or len(held) <= 1:
+        if held is None or len(held) <= 1:
             return []
         return req.tokens(req.num_cached - len(held) + 1, req.num_cached)
 

@@ -55,6 +55,8 @@ class Drafter:
         self.aux_sorted = tuple(sorted(aux_layers))
         self.aux_order = [self.aux_sorted.index(i) for i in aux_layers]
         self.pending: dict[int, torch.Tensor] = {}
+        self.page_features = torch.zeros(draft_kv.cfg.num_pages, draft.cfg.base.hidden_size,
+                                         dtype=draft.fc.weight.dtype, device=runner.device)
         self._build_static()
 
     def _build_static(self) -> None:
@@ -101,10 +103,15 @@ class Drafter:
             q, cached = int(step.q_lens[b]), int(step.cached_lens[b])
             new = feats[b * q_max : b * q_max + q]
             chunk = torch.from_numpy(step.token_ids[b, :q]).long()
-            if cached == 0:  # a new (or recomputed) sequence: token 0 has no draft row
+            if feed.fresh[b] and cached == 0:  # a new sequence: token 0 has no draft row
                 rows.append(new[: q - 1])
                 toks.append(chunk[1:])
                 starts.append(0)
+            elif feed.fresh[b]:  # starts on cached pages: seed with the last page's feature
+                page = int(step.page_table[b, (cached - 1) // self.draft_kv.cfg.page_size])
+                rows.append(torch.cat([self.page_features[page : page + 1], new[: q - 1]]))
+                toks.append(chunk)
+                starts.append(cached - 1)
             else:
                 # After a speculative step m > 1 features can be pending (the accepted path);
                 # they pair with the m - 1 tokens before this chunk, which the step carries.
@@ -132,6 +139,7 @@ class Drafter:
         for b, (t, r) in enumerate(zip(toks, rows, strict=True)):
             tokens[b, : len(t)] = t.numpy()
             feats[b, : len(t)] = r
+        self._remember_page_ends(rows, starts, page_table)
         layout = Layout(tokens, np.array(lens, dtype=np.int32), np.array(starts, dtype=np.int32),
                         page_table)
         fb = build_forward_batch(layout, self.draft_kv.cfg.page_size, None, device)
@@ -140,6 +148,17 @@ class Drafter:
         last = torch.tensor([b * q_max + max(n - 1, 0) for b, n in enumerate(lens)],
                             device=device)
         return out.index_select(0, last)
+
+    def _remember_page_ends(self, rows: list[torch.Tensor], starts: list[int],
+                            page_table: np.ndarray) -> None:
+        """Keep the feature of each page's last position (see the module docstring)."""
+        ps = self.draft_kv.cfg.page_size
+        for b, (r, start) in enumerate(zip(rows, starts, strict=True)):
+            if start % ps + len(r) < ps:
+                continue  # no page ends inside this run
+            offsets = torch.arange((-(start + 1)) % ps, len(r), ps)
+            pages = torch.from_numpy(page_table[b, (start + offsets.numpy()) // ps]).long()
+            self.page_features[pages.to(self.page_features.device)] = r[offsets.to(r.device)]
 
     @torch.inference_mode()
     def run(self, step: SpecStep, phase: PhaseScope) -> Verified:
