@@ -18,7 +18,7 @@ from tpserve.engine.plan import Layout, build_forward_batch
 
 def test_default_batch_sizes() -> None:
     assert default_batch_sizes(32) == (1, 2, 4, 8, 12, 16, 24, 32)
-    assert default_batch_sizes(20) == (1, 2, 4, 8, 12, 16)
+    assert default_batch_sizes(20) == (1, 2, 4, 8, 12, 16, 20)  # max_bs itself is a bucket
     assert default_batch_sizes(1) == (1,)
     assert default_batch_sizes(512)[-3:] == (480, 496, 512)
 

@@ -44,6 +44,7 @@ def test_eviction_is_lru_and_never_touches_locked_pages() -> None:
     cache.release([], a, [10, 11], computed=8)
     cache.release([], b, [20, 21], computed=8)
     locked = cache.match(a)  # a is in use and the most recent
+    assert cache.locked_pages == 2 and cache.evictable_pages == 2  # a's pages are in use
     assert cache.evict(10) == [21, 20]  # b's leaf first, then its parent; a is locked
     assert cache.num_pages == 2
     cache.release(locked, a, [10, 11], computed=8)

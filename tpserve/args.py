@@ -41,7 +41,7 @@ class ServerArgs:
     speculative_num_draft_tokens: int = 4
     disable_cuda_graph: bool = False
     disable_radix_cache: bool = False  # prefix caching is on by default
-    cuda_graph_max_bs: int = 32  # also the largest --compile bucket on CPU
+    cuda_graph_max_bs: int | None = None  # None: --max-running-requests (every batch fits)
     cuda_graph_bs: tuple[int, ...] | None = None  # explicit buckets (default: SGLang-like)
     compile: bool = False  # CPU: torch.compile'd decode phases
     compile_mode: str = "default"
@@ -80,7 +80,8 @@ FLAG_HELP = {
     "speculative_num_draft_tokens": "tree nodes verified per step, root included",
     "disable_cuda_graph": "GPU: run decode, draft and verify eagerly (no CUDA graphs)",
     "disable_radix_cache": "turn off prefix caching (reuse of KV pages of shared prompt prefixes)",
-    "cuda_graph_max_bs": "largest batch captured as a CUDA graph (GPU) or compiled (--compile)",
+    "cuda_graph_max_bs": "largest batch captured as a CUDA graph (GPU) or compiled (--compile) "
+                         "(default: --max-running-requests, so no decode batch runs eagerly)",
     "cuda_graph_bs": "explicit batch-size buckets, e.g. 1 2 4 8 (default: 1,2,4,8,12,16,24,...)",
     "compile": "CPU: torch.compile the decode / draft / verify forwards (bucketed like graphs)",
     "compile_mode": "torch.compile mode: default | max-autotune-no-cudagraphs",

@@ -35,7 +35,8 @@ class Buckets:
 def default_batch_sizes(max_bs: int) -> tuple[int, ...]:
     """SGLang-like: dense at small sizes (where padding waste matters most), then every 8/16/32."""
     sizes = [1, 2, 4, 8, 12, *range(16, 257, 8), *range(272, 513, 16), *range(544, 4097, 32)]
-    return tuple(s for s in sizes if s <= max_bs) or (1,)
+    # The largest bucket is max_bs itself: a batch of max_bs must never fall through to eager.
+    return tuple(sorted({s for s in sizes if s < max_bs} | {max(1, max_bs)}))
 
 
 def power_of_two_keys(max_keys: int, page_size: int, smallest: int = 64) -> tuple[int, ...]:

@@ -43,6 +43,7 @@ class PrefixCache:
         self.page_size = page_size
         self.root = _Node(page=-1, key=(), parent=None)
         self.num_pages = 0  # pages the tree owns (locked or not)
+        self.locked_pages = 0  # of them, used by running requests
         self.stats = CacheStats()
         self._clock = itertools.count(1)
         # Eviction candidates, (last_used, tiebreak, node); stale entries (node since used,
@@ -75,6 +76,7 @@ class PrefixCache:
             child = node.children.get(chunk)
             if child is None:
                 break
+            self.locked_pages += child.refs == 0
             child.refs += 1
             child.last_used = now
             path.append(child)
@@ -87,6 +89,7 @@ class PrefixCache:
         full pages (the first ``computed`` tokens have KV), return the pages to free."""
         for node in path:
             node.refs -= 1
+            self.locked_pages -= node.refs == 0
             self._consider(node)
         full = min(computed // self.page_size, len(pages))
         node, free = self.root, list(pages[full:])
@@ -104,8 +107,9 @@ class PrefixCache:
         self._consider(node)
         return free
 
-    def evictable(self) -> int:
-        return sum(1 for n in self._nodes() if n.refs == 0)
+    @property
+    def evictable_pages(self) -> int:
+        return self.num_pages - self.locked_pages
 
     def evict(self, count: int) -> list[int]:
         """Free up to ``count`` unlocked pages, least recently used leaves first."""
@@ -126,11 +130,3 @@ class PrefixCache:
     def flush(self) -> list[int]:
         """Drop every unlocked page (locked ones belong to running requests)."""
         return self.evict(self.num_pages)
-
-    def _nodes(self) -> list[_Node]:
-        out, stack = [], list(self.root.children.values())
-        while stack:
-            node = stack.pop()
-            out.append(node)
-            stack.extend(node.children.values())
-        return out

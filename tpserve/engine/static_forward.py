@@ -15,6 +15,7 @@ the same forward eagerly, which is also how the reference outputs in tests are p
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -23,6 +24,8 @@ import torch
 
 from tpserve.engine.buckets import pad_rows
 from tpserve.engine.forward_batch import ForwardBatch
+
+log = logging.getLogger(__name__)
 
 ForwardFn = Callable[[ForwardBatch, dict[str, torch.Tensor]], tuple[torch.Tensor, ...]]
 
@@ -73,11 +76,23 @@ def draft_forward(draft: Any, embed: Any, cache: Any, topk: int, hidden_size: in
 
 def run_static(executor: StaticExecutor | None, forward: StaticForward, fb: ForwardBatch,
                extras: dict[str, torch.Tensor]) -> tuple[torch.Tensor, ...]:
-    """The executor's fixed-shape run when a bucket fits, else the eager forward."""
-    if executor is not None:
-        out = executor.run(forward.name, fb, extras)
-        if out is not None:
-            return out
+    """The executor's fixed-shape run when a bucket fits, else the eager forward.
+
+    Every run is counted in the executor's report (``static_runs`` / ``eager_fallbacks`` per
+    forward), and the first fallback of each forward is logged: a batch that silently runs
+    eagerly is a speed the user asked for and did not get.
+    """
+    if executor is None:
+        return forward.fn(fb, extras)
+    out = executor.run(forward.name, fb, extras)
+    counts = executor.info.setdefault("static_runs" if out is not None else "eager_fallbacks", {})
+    counts[forward.name] = counts.get(forward.name, 0) + 1
+    if out is not None:
+        return out
+    if counts[forward.name] == 1:
+        log.warning("'%s' ran eagerly: no captured/compiled bucket fits batch %d x %d queries "
+                    "(buckets: %s); counted in eager_fallbacks", forward.name, fb.batch_size,
+                    fb.num_queries, executor.info.get("batch_sizes"))
     return forward.fn(fb, extras)
 
 

@@ -54,7 +54,7 @@ class ModelShape:
 def batch_sizes(args: ServerArgs) -> tuple[int, ...]:
     if args.cuda_graph_bs:
         return tuple(sorted(set(args.cuda_graph_bs)))
-    return default_batch_sizes(args.cuda_graph_max_bs)
+    return default_batch_sizes(args.cuda_graph_max_bs or args.max_running_requests)
 
 
 def max_keys(context_length: int, page_size: int) -> int:
@@ -124,7 +124,9 @@ def make_executor(args: ServerArgs, forwards: list[StaticForward], device: torch
         cfg = CompileConfig(Buckets(sizes, keys), args.compile_mode, fullgraph=world_size == 1)
         return CompiledExecutor(forwards, cfg)
     if args.compile:
-        log.warning("--compile is for CPU; on %s use CUDA graphs (the default)", device.type)
+        raise ConfigError(f"--compile is for CPU; on {device.type} decode is captured as CUDA "
+                          "graphs (the default; --disable-cuda-graph runs it eagerly)",
+                          "--compile")
     return None
 
 
