@@ -7,7 +7,6 @@ engine like every rank, warms it up, and hands the socket to the real app.
 from __future__ import annotations
 
 import itertools
-import json
 import logging
 import threading
 from pathlib import Path
@@ -22,20 +21,19 @@ from tpserve.engine.request import Request, new_request
 from tpserve.engine.sampling_params import SamplingParams
 from tpserve.engine.warmup import warm_up, warmup_shape
 from tpserve.errors import ConfigError
+from tpserve.generation_config import load_generation_config, stop_token_ids
+from tpserve.model_path import resolve_args
 from tpserve.models.config import ModelConfig
+from tpserve.preflight import check_server_args
 from tpserve.server.lifecycle import finish_leader, run_follower
 from tpserve.server.startup_http import StartupResponder, bind_listener
 
 log = logging.getLogger("tpserve")
 
 
-def eos_ids(model_dir: Path, cfg: ModelConfig) -> frozenset[int]:
-    ids = set(cfg.eos_token_ids)
-    gen = model_dir / "generation_config.json"
-    if gen.is_file():
-        value = json.loads(gen.read_text()).get("eos_token_id")
-        ids.update(value if isinstance(value, list) else [value] if value is not None else [])
-    return frozenset(ids)
+def eos_ids(model_dir: Path, cfg: ModelConfig, generation_config: str = "auto") -> frozenset[int]:
+    # [ckpt] config.json's and generation_config.json's EOS ids (tpserve.generation_config)
+    return stop_token_ids(cfg.eos_token_ids, load_generation_config(model_dir, generation_config))
 
 
 def load_tokenizer(path: Path) -> Tokenizer:
@@ -73,6 +71,9 @@ def start_responder(args: ServerArgs) -> StartupResponder | None:
 
 
 def run(args: ServerArgs) -> int:
+    args = resolve_args(args)  # [ckpt] --model / --tokenizer may be a HF cache dir or repo id
+    # [ckpt] every rank refuses a checkpoint it cannot serve before the process group forms
+    check_server_args(args, rank_info(args.device).world_size)
     responder = start_responder(args)
     on_stage = responder.set_stage if responder is not None else (lambda _: None)
     built = build_engine(args, on_stage)
@@ -83,7 +84,7 @@ def run(args: ServerArgs) -> int:
 
     engine = built.engine
     tokenizer = load_tokenizer(Path(args.tokenizer) if args.tokenizer else built.model_dir)
-    eos = eos_ids(built.model_dir, built.cfg)
+    eos = eos_ids(built.model_dir, built.cfg, args.generation_config)
     if not args.skip_server_warmup:
         with stage("warm-up (largest prefill chunk and decode batch)", on_stage):
             run_warmup(built, engine, tokenizer, eos)

@@ -17,6 +17,7 @@ from typing import Any
 
 import uvicorn
 
+from tpserve.errors import ConfigError
 from tpserve.server.http import error
 
 log = logging.getLogger("tpserve")
@@ -32,7 +33,7 @@ def bind_listener(host: str, port: int) -> socket.socket:
         sock.bind((host, port))
     except OSError as exc:
         sock.close()
-        raise SystemExit(f"error: cannot listen on {host}:{port}: {exc.strerror}") from None
+        raise ConfigError(f"cannot listen on {host}:{port}: {exc.strerror}", flag="--port") from None
     sock.listen(2048)
     sock.set_inheritable(True)
     return sock
