@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -182,7 +183,9 @@ def test_tp2_refused_before_loading(model_dir: Path, tmp_path: Path) -> None:
             "TP sizes that work for this model: 1, 3 (torchrun --nproc-per-node N)")
     lines = (out.stdout + out.stderr).splitlines()
     assert out.returncode != 0
-    assert lines.count(line) == 2, out.stderr[-3000:]  # one line from each rank
-    assert "exitcode: 2" in out.stderr  # torchrun's summary of the ranks' exit codes
+    # Each rank prints the line and exits 2; torchrun stops the job at the first rank to exit,
+    # so the other rank's line may never be written. torchrun's own failure report follows.
+    assert 1 <= lines.count(line) <= 2, out.stderr[-3000:]
+    assert re.search(r"exitcode\s*:\s*2 ", out.stderr), out.stderr[-3000:]
     assert not any("loading weights" in x for x in lines)
     assert time.monotonic() - start < 120

@@ -80,7 +80,8 @@ def resolve_model_path(model: str, flag: str = "--model",
                           f"(looked in {looked}); tpserve never downloads: fetch it first "
                           "(e.g. `huggingface-cli download " + model + "`) or pass a directory",
                           flag=flag)
-    raise ConfigError(f"model directory '{model}' does not exist", flag=flag)
+    what = "tokenizer" if flag == "--tokenizer" else "model"
+    raise ConfigError(f"{what} directory '{model}' does not exist", flag=flag)
 
 
 def resolve_args(args: ServerArgs, env: Mapping[str, str] | None = None) -> ServerArgs:
