@@ -45,8 +45,10 @@ from tpserve.engine.static_setup import (
 from tpserve.errors import ConfigError
 from tpserve.layers.tp import TPContext
 from tpserve.loader import resolve_dtype
+from tpserve.model_path import resolve_args
 from tpserve.models.config import ModelConfig, ModelConfigError, load_config
 from tpserve.models.registry import build_model
+from tpserve.preflight import check_before_loading
 from tpserve.spec.config import SpecConfig, spec_config_from_args
 from tpserve.spec.decoder import SpecDecoder
 from tpserve.spec.setup import LoadedDraft, load_draft, make_decoder
@@ -98,16 +100,19 @@ class BuiltEngine:
 
 def build_engine(args: ServerArgs, on_stage: StageHook = _no_hook) -> BuiltEngine:
     """Assemble this rank's engine (torchrun's environment says which rank; none: TP=1)."""
-    args = with_demo_defaults(args)
+    args = resolve_args(with_demo_defaults(args))
     spec_cfg = spec_config_from_args(args)  # bad speculative flags fail before loading
     info = rank_info(args.device)
     torch.set_num_threads(cpu_threads_per_rank(info.local_world_size, args.cpu_threads))
-    on_stage("joining the process group")
-    init_process_group(info, args.dist_timeout_s)
-    comm = _make_comm(args, info)
     with stage("resolving model", on_stage):
         model_dir = Path(args.model) if args.model else demo_target()
         cfg = _load_config(model_dir)
+        # Every rank refuses what it cannot serve before the process group forms.
+        check_before_loading(cfg, info.world_size, model_dir,
+                             generation_config=args.generation_config)
+    on_stage("joining the process group")
+    init_process_group(info, args.dist_timeout_s)
+    comm = _make_comm(args, info)
     context_length = min(args.context_length or cfg.max_position, cfg.max_position)
     dtype = resolve_dtype(args.dtype, cfg.torch_dtype, info.device)
     tp = TPContext(info.rank, info.world_size, comm)

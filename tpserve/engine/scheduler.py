@@ -22,7 +22,7 @@ import numpy as np
 from tpserve.engine.finish import abort
 from tpserve.engine.kv_cache import PageAllocator
 from tpserve.engine.messages import ForwardStep
-from tpserve.engine.prefix_cache import PrefixCache
+from tpserve.engine.prefix_cache import CacheStats, PrefixCache
 from tpserve.engine.request import Request
 
 
@@ -111,6 +111,8 @@ class Scheduler:
             return 0
         freed = self.cache.flush()
         self.allocator.free(freed)
+        if not self.cache.num_pages:
+            self.cache.stats = CacheStats()  # an empty cache starts its hit rate afresh
         return len(freed)
 
     def has_work(self) -> bool:

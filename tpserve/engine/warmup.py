@@ -84,3 +84,4 @@ def _forget(engine: Any) -> None:
     if engine.runner.comm is not None:
         engine.runner.comm.reset_stats()
     engine.reset_stats()
+    engine.scheduler.flush_cache()  # synthetic prompts: no use keeping their pages

@@ -14,12 +14,14 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from tokenizers import Tokenizer
 
+from tpserve.errors import exit_code_of
 from tpserve.train.common import (
     Budget,
     Timer,
@@ -236,4 +238,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(exit_code_of(main))

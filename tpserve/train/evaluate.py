@@ -13,6 +13,7 @@ import argparse
 import json
 import os
 import random
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,6 +22,7 @@ from tokenizers import Tokenizer
 
 from tpserve.args import ServerArgs
 from tpserve.engine.sampling_params import SamplingParams
+from tpserve.errors import exit_code_of
 from tpserve.offline import OfflineEngine
 from tpserve.train.corpus import heldout_files, read_text
 
@@ -155,4 +157,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(exit_code_of(main))
