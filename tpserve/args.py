@@ -44,6 +44,7 @@ class ServerArgs:
     cuda_graph_bs: tuple[int, ...] | None = None  # explicit buckets (default: SGLang-like)
     compile: bool = False  # CPU: torch.compile'd decode phases
     compile_mode: str = "default"
+    attention_backend: str = "auto"  # tpserve.layers.attention.registry.NAMES
     extra: dict[str, object] = field(default_factory=dict)
 
 
@@ -82,6 +83,9 @@ FLAG_HELP = {
     "cuda_graph_bs": "explicit batch-size buckets, e.g. 1 2 4 8 (default: 1,2,4,8,12,16,24,...)",
     "compile": "CPU: torch.compile the decode / draft / verify forwards (bucketed like graphs)",
     "compile_mode": "torch.compile mode: default | max-autotune-no-cudagraphs",
+    "attention_backend": "attention over the paged KV cache: auto (cpu on CPU where the native "
+                         "kernel builds, flashinfer on CUDA where installed, else torch), torch, "
+                         "cpu, flashinfer",
 }
 
 
