@@ -48,6 +48,7 @@ class ServerArgs:
     served_model_name: str | None = None  # None: the demo's name, else the model directory's
     chat_template: str | None = None  # FILE, a named template, or inline Jinja
     generation_config: str = "auto"  # auto | ignore | DIR
+    attention_backend: str = "auto"  # tpserve.layers.attention.registry.NAMES
     extra: dict[str, object] = field(default_factory=dict)
 
 
@@ -95,6 +96,9 @@ FLAG_HELP = {
                      "templates, or inline Jinja (default: the model's own)",
     "generation_config": "sampling defaults: auto (the model's generation_config.json), "
                          "ignore, or a DIR holding a generation_config.json",
+    "attention_backend": "attention over the paged KV cache: auto (cpu on CPU where the native "
+                         "kernel builds, flashinfer on CUDA where installed, else torch), torch, "
+                         "cpu, flashinfer",
 }
 
 
