@@ -8,8 +8,8 @@ import logging
 import pytest
 import torch
 
-from tpserve.engine.buckets import Buckets
-from tpserve.engine.compiled import CompileConfig, CompiledExecutor, inert_batch
+from tpserve.engine.buckets import Buckets, inert_batch
+from tpserve.engine.compiled import CompileConfig, CompiledExecutor
 from tpserve.engine.static_forward import StaticForward, run_static
 
 
@@ -19,12 +19,12 @@ def _double(fb, extras):  # type: ignore[no-untyped-def]
 
 def test_fallbacks_and_static_runs_are_counted(caplog: pytest.LogCaptureFixture) -> None:
     forward = StaticForward("decode", 1, _double)
-    executor = CompiledExecutor([forward], CompileConfig(Buckets((1, 2), (64,)), backend="eager",
+    executor = CompiledExecutor([forward], CompileConfig(Buckets((1, 2)), backend="eager",
                                                          fullgraph=False))
     cpu = torch.device("cpu")
     with caplog.at_level(logging.WARNING):
         for batch in (1, 2, 3, 4, 2):
-            out = run_static(executor, forward, inert_batch(batch, 1, 8, cpu), {})
+            out = run_static(executor, forward, inert_batch(batch, 1, 2, 4, cpu), {})
             assert out[0].shape == (batch,)
     assert executor.info["static_runs"] == {"decode": 3}
     assert executor.info["eager_fallbacks"] == {"decode": 2}

@@ -77,9 +77,9 @@ def test_draft_logits_match_reference(tmp_path: Path, arch: str) -> None:
                          torch.device("cpu"), 64)
     kv = KVCache(KVCacheConfig.gqa(8, 4, 1, 2, 16, torch.float32), torch.device("cpu"))
     t = tokens.shape[1]
-    plan = Layout(token_ids=tokens.numpy(), q_lens=np.array([t]),
-                    cached_lens=np.array([0]), page_table=np.array([[1, 2, 3]]))
-    fb = build_forward_batch(plan, 4, None, torch.device("cpu"))
+    plan = Layout(token_ids=tokens[0].numpy(), q_lens=np.array([t]),
+                  cached_lens=np.array([0]), page_table=np.array([[1, 2, 3]]))
+    fb = build_forward_batch(plan, 4, torch.device("cpu"))
     embeds = hf.model.embed_tokens(tokens[0]).detach()
     with torch.no_grad():
         ours = draft.logits(draft(embeds, draft.project(aux), fb, kv.layers[0]))

@@ -44,7 +44,7 @@ def hf_greedy(path: Path, ids: list[int], n: int) -> list[int]:
 
 def prefill_logits(runner, ids: list[int]) -> torch.Tensor:  # type: ignore[no-untyped-def]
     pages = np.arange(1, 1 + -(-len(ids) // 4), dtype=np.int32)[None]
-    step = ForwardStep(np.array([ids], dtype=np.int64), np.array([len(ids)], dtype=np.int32),
+    step = ForwardStep(np.array(ids, dtype=np.int64), np.array([len(ids)], dtype=np.int32),
                        np.array([0], dtype=np.int32), pages, np.arange(len(ids)))
     return runner.forward(step, step.logit_rows).logits
 

@@ -84,9 +84,9 @@ def test_trainer_draft_matches_engine_draft(tmp_path: Path) -> None:
                                 TPContext.single(), torch.float32, torch.device("cpu"), 64)
     kv = KVCache(KVCacheConfig.gqa(8, 4, 1, 2, 16, torch.float32), torch.device("cpu"))
     pages = np.array([[1, 2, 3, 4]])
-    plan = Layout(token_ids=tokens[:, 1:].numpy(), q_lens=np.array([rows]),
-                    cached_lens=np.array([0]), page_table=pages)
-    fb = build_forward_batch(plan, 4, None, torch.device("cpu"))
+    plan = Layout(token_ids=tokens[0, 1:].numpy(), q_lens=np.array([rows]),
+                  cached_lens=np.array([0]), page_table=pages)
+    fb = build_forward_batch(plan, 4, torch.device("cpu"))
     embed = torch.nn.Embedding.from_pretrained(hf.get_input_embeddings().weight)
     with torch.no_grad():
         out = engine_draft(embed(tokens[0, 1:]), engine_draft.project(feats[0, :rows]), fb,

@@ -39,6 +39,7 @@ from tpserve.engine.scheduler import Scheduler, SchedulerConfig
 from tpserve.engine.static_setup import (
     ROTARY_HEADROOM,
     ModelShape,
+    attention_backend_name,
     graph_reserve_bytes,
     install_static,
 )
@@ -117,13 +118,16 @@ def build_engine(args: ServerArgs, on_stage: StageHook = _no_hook) -> BuiltEngin
     dtype = resolve_dtype(args.dtype, cfg.torch_dtype, info.device)
     tp = TPContext(info.rank, info.world_size, comm)
     max_position = context_length + ROTARY_HEADROOM
+    attention = attention_backend_name(args, info.device)
     with stage(f"loading weights ({dtype})", on_stage):
         model = build_model(model_dir, tp, dtype, info.device, max_position, cfg)
+        model.set_attention_backend(attention)
     draft = None
     if spec_cfg is not None:
         with stage("loading the draft model", on_stage):
             draft = load_draft(spec_cfg, str(args.speculative_draft_model_path), cfg, tp, dtype,
                                info.device, max_position, ROTARY_HEADROOM)
+            draft.model.set_attention_backend(attention)
     with stage("allocating KV cache", on_stage):
         kv = make_kv(args, model, draft, info, dtype, context_length)
     runner = ModelRunner(model, kv, info.device, comm)

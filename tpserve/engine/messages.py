@@ -35,11 +35,11 @@ class DraftFeed:
 class ForwardStep:
     """A target forward over prompt chunks and/or one decode token per request."""
 
-    token_ids: np.ndarray  # [B, Q] int64, padded with 0
+    token_ids: np.ndarray  # [N] int64: each request's q_len tokens, request by request
     q_lens: np.ndarray  # [B] int32: tokens fed this step per request
     cached_lens: np.ndarray  # [B] int32: tokens already in the cache before this step
     page_table: np.ndarray  # [B, P] int32: page ids covering cached + q_len tokens
-    logit_rows: np.ndarray  # [K] int64: flat rows (b * Q + q) whose logits are sampled
+    logit_rows: np.ndarray  # [K] int64: rows of token_ids whose logits are sampled
     feed: DraftFeed | None = None  # set when a draft model is loaded
 
 
@@ -47,7 +47,7 @@ class ForwardStep:
 class SpecStep:
     """A speculative step: extend the draft over pending tokens, draft a tree, verify it."""
 
-    token_ids: np.ndarray  # [B, M] int64: tokens whose draft KV is not yet written
+    token_ids: np.ndarray  # [M] int64: per request, tokens whose draft KV is not yet written
     q_lens: np.ndarray  # [B] int32
     cached_lens: np.ndarray  # [B] int32: sequence length minus the pending tokens
     page_table: np.ndarray  # [B, P] int32

@@ -21,7 +21,7 @@ from tpserve.engine.static_forward import StaticExecutor, StaticForward, decode_
 @dataclass
 class ForwardOutput:
     logits: torch.Tensor  # [len(logit_rows), V] float32, identical on every rank
-    hidden: torch.Tensor  # [B*Q, H] final-normed hidden states
+    hidden: torch.Tensor  # [N, H] final-normed hidden states, one row per fed token
     aux: list[torch.Tensor]
 
 
@@ -40,11 +40,10 @@ class ModelRunner:
     @torch.inference_mode()
     def forward(self, step: BatchLayout, logit_rows: Any,
                 aux_layers: tuple[int, ...] = ()) -> ForwardOutput:
-        """Run ``step``; logits only for ``logit_rows`` (flat b * Q + q indices)."""
-        batch = build_forward_batch(step, self.page_size, self.model.cfg.sliding_window,
-                                    self.device)
+        """Run ``step``; logits only for ``logit_rows`` (rows of the ragged batch)."""
+        batch = build_forward_batch(step, self.page_size, self.device)
         rows = torch.as_tensor(logit_rows, dtype=torch.long).to(self.device)
-        if batch.num_queries == 1 and not aux_layers:
+        if batch.queries == 1 and not aux_layers:
             logits, hidden = run_static(self.static, self.decode_forward, batch, {})
             return ForwardOutput(logits=logits.index_select(0, rows), hidden=hidden, aux=[])
         hidden, aux = self.model(batch, self.kv.layers, aux_layers)

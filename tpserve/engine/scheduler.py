@@ -198,18 +198,18 @@ class Scheduler:
         self.preemptions += 1
 
     def plan(self, batch: ScheduledBatch) -> ForwardStep:
-        """The compact per-step message every rank expands into tensors."""
-        q_max = max(batch.q_lens)
-        b = len(batch.requests)
-        tokens = np.zeros((b, q_max), dtype=np.int64)
+        """The compact per-step message every rank expands into tensors (ragged tokens)."""
+        tokens = [t for req, q in zip(batch.requests, batch.q_lens)
+                  for t in req.tokens(req.num_cached, req.num_cached + q)]
         p_max = max(len(r.pages) for r in batch.requests)
-        pages = np.zeros((b, p_max), dtype=np.int32)
-        for i, (req, q) in enumerate(zip(batch.requests, batch.q_lens)):
-            tokens[i, :q] = req.tokens(req.num_cached, req.num_cached + q)
+        pages = np.zeros((len(batch.requests), p_max), dtype=np.int32)
+        for i, req in enumerate(batch.requests):
             pages[i, : len(req.pages)] = req.pages
-        rows = [i * q_max + q - 1 for i, (q, s) in enumerate(zip(batch.q_lens, batch.samples())) if s]
+        ends = np.cumsum(batch.q_lens) - 1  # each request's last row gives its next token
+        rows = [int(end) for end, s in zip(ends, batch.samples()) if s]
         return ForwardStep(
-            token_ids=tokens, q_lens=np.array(batch.q_lens, dtype=np.int32),
+            token_ids=np.array(tokens, dtype=np.int64),
+            q_lens=np.array(batch.q_lens, dtype=np.int32),
             cached_lens=np.array([r.num_cached for r in batch.requests], dtype=np.int32),
             page_table=pages, logit_rows=np.array(rows, dtype=np.int64),
         )

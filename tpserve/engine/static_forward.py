@@ -92,7 +92,7 @@ def run_static(executor: StaticExecutor | None, forward: StaticForward, fb: Forw
     if counts[forward.name] == 1:
         log.warning("'%s' ran eagerly: no captured/compiled bucket fits batch %d x %d queries "
                     "(buckets: %s); counted in eager_fallbacks", forward.name, fb.batch_size,
-                    fb.num_queries, executor.info.get("batch_sizes"))
+                    fb.queries, executor.info.get("batch_sizes"))
     return forward.fn(fb, extras)
 
 

@@ -21,7 +21,7 @@ import torch
 
 from tpserve.args import ServerArgs
 from tpserve.dist import CommSwitch
-from tpserve.engine.buckets import Buckets, default_batch_sizes, power_of_two_keys, round_up
+from tpserve.engine.buckets import Buckets, default_batch_sizes, round_up
 from tpserve.engine.static_forward import StaticForward
 from tpserve.errors import ConfigError
 
@@ -112,22 +112,36 @@ def make_executor(args: ServerArgs, forwards: list[StaticForward], device: torch
         reason = capture_unsafe_reason(comm, world_size)
         if reason is not None:
             raise ConfigError(reason, "--allreduce")
+        widths = {"verify": args.speculative_num_draft_tokens,
+                  "draft": max(1, (args.speculative_num_steps - 1) * args.speculative_eagle_topk)}
         executor = CudaGraphExecutor(
-            GraphConfig(sizes, max_keys(context_length, args.page_size)), device, comm)
+            GraphConfig(sizes, max_keys(context_length, args.page_size), args.page_size, widths),
+            device, comm)
         for forward in forwards:
             executor.capture(forward)
         return executor
     if args.compile and device.type == "cpu":
         from tpserve.engine.compiled import CompileConfig, CompiledExecutor
 
-        keys = power_of_two_keys(max_keys(context_length, args.page_size), args.page_size)
-        cfg = CompileConfig(Buckets(sizes, keys), args.compile_mode, fullgraph=world_size == 1)
+        cfg = CompileConfig(Buckets(sizes), args.compile_mode, fullgraph=world_size == 1)
         return CompiledExecutor(forwards, cfg)
     if args.compile:
         raise ConfigError(f"--compile is for CPU; on {device.type} decode is captured as CUDA "
                           "graphs (the default; --disable-cuda-graph runs it eagerly)",
                           "--compile")
     return None
+
+
+def attention_backend_name(args: ServerArgs, device: torch.device) -> str:
+    """``--attention-backend``, resolved for what will run: CUDA graphs prepare attention inside
+    the graph, which only the ``torch`` backend supports so far."""
+    if not uses_graphs(args, device):
+        return args.attention_backend
+    if args.attention_backend in ("auto", "torch"):
+        return "torch"
+    raise ConfigError(f"--attention-backend {args.attention_backend} cannot run inside CUDA "
+                      "graphs yet; use --attention-backend torch, or --disable-cuda-graph",
+                      "--attention-backend")
 
 
 def install_static(args: ServerArgs, runner: Any, spec: Any, world_size: int,

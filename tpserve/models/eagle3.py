@@ -23,6 +23,8 @@ from torch import nn
 
 from tpserve.engine.forward_batch import ForwardBatch
 from tpserve.errors import ConfigError
+from tpserve.layers.attention import AttentionBackend, bind
+from tpserve.layers.attention import create as create_attention
 from tpserve.layers.linear import RowParallelLinear
 from tpserve.layers.norm import RMSNorm
 from tpserve.layers.rotary import RotaryEmbedding
@@ -108,6 +110,13 @@ class Eagle3Draft(nn.Module):
         self.rotary = RotaryEmbedding(base.rope, base.head_dim, max_position, device)
         self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.long,
                                                 device=device), persistent=False)
+        self.attention: AttentionBackend = create_attention(
+            "auto", self.self_attn.attention_spec(dtype, None), device)
+
+    def set_attention_backend(self, name: str) -> None:
+        weight = self.fc.weight
+        self.attention = create_attention(
+            name, self.self_attn.attention_spec(weight.dtype, None), weight.device)
 
     def project(self, aux: torch.Tensor) -> torch.Tensor:
         """fc over the concatenated target features [N, 3*Ht] -> [N, H] (row-parallel)."""
@@ -119,7 +128,8 @@ class Eagle3Draft(nn.Module):
                 cache: KVPair) -> torch.Tensor:
         """embeds, hidden: [N, H] -> pre-norm output [N, H] (fed back as the next feature)."""
         x = torch.cat((self.input_layernorm(embeds), self.hidden_norm(hidden)), dim=-1)
-        h = hidden + self.self_attn(x, self.rotary, batch, cache)
+        rotary = self.rotary.at(batch.positions, x.dtype)
+        h = hidden + self.self_attn(x, rotary, bind(self.attention, batch.attn), cache)
         return h + self.mlp(self.post_attention_layernorm(h))
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -99,10 +99,10 @@ class SpecDecoder:
     def plan(self, reqs: Sequence[Request], live: Sequence[Request]) -> SpecStep:
         """Pending tokens of each request (those whose draft KV is not yet written)."""
         lens = [len(self.drafter.pending[request_key(r)]) for r in reqs]
-        tokens = np.zeros((len(reqs), max(lens)), dtype=np.int64)
+        tokens = np.array([t for req, n in zip(reqs, lens, strict=True)
+                           for t in req.tokens(req.seq_len - n, req.seq_len)], dtype=np.int64)
         pages = np.zeros((len(reqs), max(len(r.pages) for r in reqs)), dtype=np.int32)
-        for b, (req, n) in enumerate(zip(reqs, lens, strict=True)):
-            tokens[b, :n] = req.tokens(req.seq_len - n, req.seq_len)
+        for b, req in enumerate(reqs):
             pages[b, : len(req.pages)] = req.pages
         cached = [r.seq_len - n for r, n in zip(reqs, lens, strict=True)]
         return SpecStep(tokens, np.array(lens, dtype=np.int32), np.array(cached, dtype=np.int32),

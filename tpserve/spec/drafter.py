@@ -96,13 +96,13 @@ class Drafter:
         self.forget(feed.drop)
         out = self.runner.forward(step, step.logit_rows, self.aux_sorted)
         feats = self._features(out.aux)
-        q_max = step.token_ids.shape[1]
+        row_starts = np.cumsum(step.q_lens) - step.q_lens
         prev_ends = np.cumsum(feed.prev_lens)
         rows, toks, starts = [], [], []
         for b, key in enumerate(feed.keys.tolist()):
-            q, cached = int(step.q_lens[b]), int(step.cached_lens[b])
-            new = feats[b * q_max : b * q_max + q]
-            chunk = torch.from_numpy(step.token_ids[b, :q]).long()
+            q, cached, r0 = int(step.q_lens[b]), int(step.cached_lens[b]), int(row_starts[b])
+            new = feats[r0 : r0 + q]
+            chunk = torch.from_numpy(step.token_ids[r0 : r0 + q]).long()
             if feed.fresh[b] and cached == 0:  # a new sequence: token 0 has no draft row
                 rows.append(new[: q - 1])
                 toks.append(chunk[1:])
@@ -128,25 +128,18 @@ class Drafter:
 
     def _draft_extend(self, rows: list[torch.Tensor], toks: list[torch.Tensor],
                       starts: list[int], page_table: np.ndarray) -> torch.Tensor:
-        """Write committed draft KV for ``toks`` (paired with ``rows``); return last outputs."""
-        lens = [len(t) for t in toks]
-        q_max = max(max(lens), 1)
-        batch = len(toks)
-        tokens = np.zeros((batch, q_max), dtype=np.int64)
+        """Write committed draft KV for ``toks`` (paired with ``rows``); return each
+        request's last output row."""
+        lens = np.array([len(t) for t in toks], dtype=np.int32)
         device = self.runner.device
-        feats = torch.zeros(batch, q_max, self.draft.cfg.base.hidden_size,
-                            dtype=self.draft.fc.weight.dtype, device=device)
-        for b, (t, r) in enumerate(zip(toks, rows, strict=True)):
-            tokens[b, : len(t)] = t.numpy()
-            feats[b, : len(t)] = r
         self._remember_page_ends(rows, starts, page_table)
-        layout = Layout(tokens, np.array(lens, dtype=np.int32), np.array(starts, dtype=np.int32),
+        layout = Layout(torch.cat(toks).numpy(), lens, np.array(starts, dtype=np.int32),
                         page_table)
-        fb = build_forward_batch(layout, self.draft_kv.cfg.page_size, None, device)
-        embeds = self.runner.model.embed_tokens(fb.input_ids.reshape(-1))
-        out = self.draft(embeds, feats.reshape(batch * q_max, -1), fb, self.draft_kv.layers[0])
-        last = torch.tensor([b * q_max + max(n - 1, 0) for b, n in enumerate(lens)],
-                            device=device)
+        fb = build_forward_batch(layout, self.draft_kv.cfg.page_size, device)
+        feats = torch.cat(rows).to(device=device, dtype=self.draft.fc.weight.dtype)
+        out = self.draft(self.runner.model.embed_tokens(fb.input_ids), feats, fb,
+                         self.draft_kv.layers[0])
+        last = torch.from_numpy(np.maximum(np.cumsum(lens) - 1, 0)).to(device)
         return out.index_select(0, last)
 
     def _remember_page_ends(self, rows: list[torch.Tensor], starts: list[int],
@@ -166,13 +159,15 @@ class Drafter:
         self.forget(step.drop)
         with phase("draft"):
             lens = step.q_lens.tolist()
-            toks = [torch.from_numpy(step.token_ids[b, :n]).long() for b, n in enumerate(lens)]
+            ends = np.cumsum(step.q_lens)
+            toks = [torch.from_numpy(step.token_ids[e - n : e]).long()
+                    for e, n in zip(ends.tolist(), lens, strict=True)]
             rows = [self.pending[k] for k in step.keys.tolist()]
             starts = (step.cached_lens - 1).tolist()  # pending feature of token t is at t - 1
             root_out = self._draft_extend(rows, toks, starts, step.page_table)
             pages = torch.from_numpy(step.page_table).long()
             committed = torch.from_numpy(step.cached_lens + step.q_lens - 1).long()
-            roots = torch.tensor([int(step.token_ids[b, n - 1]) for b, n in enumerate(lens)])
+            roots = torch.from_numpy(step.token_ids[ends - 1]).long()
             tree = draft_tree(self.draft, self.runner.model.embed_tokens,
                               self.draft_kv.layers[0], root_out, roots, pages, committed,
                               self.cfg, self.draft_kv.cfg.page_size, self._draft_step)
@@ -186,11 +181,12 @@ class Drafter:
 
     def _verify(self, tree: DraftTree, pages: torch.Tensor, committed: torch.Tensor) -> Verified:
         batch, n = tree.tokens.shape
-        layout = Layout(tree.tokens.numpy(), np.full(batch, n, dtype=np.int32),
-                        committed.numpy().astype(np.int32), pages.numpy())
-        model = self.runner.model
-        fb = build_forward_batch(layout, self.runner.page_size, model.cfg.sliding_window,
-                                 self.runner.device, tree_mask=tree.mask, depths=tree.depths)
+        cached = committed.numpy().astype(np.int32)
+        layout = Layout(tree.tokens.reshape(-1).numpy(), np.full(batch, n, dtype=np.int32),
+                        cached, pages.numpy())
+        positions = (committed[:, None] + tree.depths).reshape(-1).numpy()
+        fb = build_forward_batch(layout, self.runner.page_size, self.runner.device,
+                                 positions=positions, mask_start=cached, custom_mask=tree.mask)
         logits, feats = run_static(self.runner.static, self.verify_forward, fb, {})
         return Verified(tree, logits.view(batch, n, -1), feats.view(batch, n, -1), pages,
                         committed)
