@@ -20,12 +20,17 @@ def running_server(ranks: int, *flags: str, cache: Path, env: dict[str, str] | N
                    timeout: float = 180, launcher_flags: tuple[str, ...] = (),
                    while_starting: Callable[[str, Path], None] | None = None,
                    ) -> Iterator[tuple[str, subprocess.Popen]]:
-    """A live server; ``while_starting(url, log)`` runs right after launch, before it is ready."""
+    """A live server; ``while_starting(url, log)`` runs right after launch, before it is ready.
+
+    ``cache`` holds the server's log. Native kernels come from the run's own build cache
+    (``$TPSERVE_CACHE``, content-keyed, so sharing it is safe): building them afresh for every
+    server, on every rank at once, cost minutes of a loaded CI machine's start-up timeout.
+    """
     port = free_port()
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks),
            "--master-port", str(free_port()), *launcher_flags, "-m", "tpserve",
            "--port", str(port), *flags]
-    full_env = {**os.environ, "TPSERVE_CACHE": str(cache), "PYTHONUNBUFFERED": "1", **(env or {})}
+    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
     log = open(cache / f"server-{port}.log", "w")
     proc = subprocess.Popen(cmd, env=full_env, stdout=log, stderr=subprocess.STDOUT,
                             start_new_session=True)
