@@ -41,8 +41,17 @@ static void load_rows(const attn_problem *p, const attn_item *it, attn_scratch *
         const int64_t at = kv - q_len + s->j[r]; /* the query's logical index */
         const char *src = (const char *)p->q + ((q0 + s->j[r]) * p->q_stride +
                                                 (s->h[r] * group + s->g[r]) * d_all) * elem_size(p->q_dtype);
-        for (int64_t d = 0; d < d_all; d++)
-            s->q[r * d_all + lane_pos(dtype, d)] = load_elem(src, p->q_dtype, d) * p->scale;
+        float *q = s->q + r * d_all;
+        if (p->q_dtype == dtype) { /* the common case: one load_pair per block */
+            for (int64_t c = 0; c < d_all; c += 2 * LANES) {
+                vf lo, hi;
+                load_pair(src + c * elem_size(dtype), dtype, &lo, &hi);
+                v_store(q + c, v_mul(lo, v_set1(p->scale)));
+                v_store(q + c + LANES, v_mul(hi, v_set1(p->scale)));
+            }
+        } else {
+            for (int64_t d = 0; d < d_all; d++) q[lane_pos(dtype, d)] = load_elem(src, p->q_dtype, d) * p->scale;
+        }
         memset(s->acc + r * d_all, 0, (size_t)d_all * sizeof(float));
         s->m[r] = -INFINITY;
         s->l[r] = 0.0f;
@@ -213,8 +222,15 @@ static void store_rows(const attn_problem *p, const attn_item *it, const attn_sc
         const int64_t token = p->q_indptr[it->b] + s->j[r], head = s->h[r] * group + s->g[r];
         void *dst = (char *)p->out + (token * p->q_heads + head) * d_all * elem_size(p->q_dtype);
         const float inv = s->l[r] > 0.0f ? 1.0f / s->l[r] : 0.0f;
-        for (int64_t d = 0; d < d_all; d++)
-            store_elem(dst, p->q_dtype, d, s->acc[r * d_all + lane_pos(p->cache_dtype, d)] * inv);
+        const float *acc = s->acc + r * d_all;
+        if (p->q_dtype == p->cache_dtype) {
+            for (int64_t c = 0; c < d_all; c += 2 * LANES)
+                store_pair((char *)dst + c * elem_size(p->q_dtype), p->q_dtype,
+                           v_mul(v_load(acc + c), v_set1(inv)), v_mul(v_load(acc + c + LANES), v_set1(inv)));
+        } else {
+            for (int64_t d = 0; d < d_all; d++)
+                store_elem(dst, p->q_dtype, d, acc[lane_pos(p->cache_dtype, d)] * inv);
+        }
     }
 }
 
