@@ -45,8 +45,8 @@ CPU = torch.device("cpu")
 class Problem:
     batch: int
     context: int
-    q: torch.Tensor  # [B, 1, Hq, D]
-    k: torch.Tensor  # [B, 1, Hk, D]
+    q: torch.Tensor  # [B, Q, Hq, D]
+    k: torch.Tensor  # [B, Q, Hk, D]
     v: torch.Tensor
     caches: list[tuple[torch.Tensor, torch.Tensor]]  # copies, used in turn
     plan: StepPlan
@@ -58,14 +58,11 @@ class Problem:
         self.caches.append(self.caches.pop(0))
         return self.caches[0]
 
-    @property
-    def kv_bytes(self) -> int:  # K and V of every key the step reads
-        return 2 * self.batch * self.context * KV_HEADS * HEAD_DIM * DTYPE.itemsize
 
 
-def problem(batch: int, context: int, cold_bytes: int, seed: int = 0) -> Problem:
-    """One decode step: each request has ``context - 1`` cached keys and one new token; enough
-    cache copies to cycle through ``cold_bytes`` (at most 64)."""
+def problem(batch: int, context: int, cold_bytes: int, chunk: int = 1, seed: int = 0) -> Problem:
+    """One step: each request has ``context - chunk`` cached keys and ``chunk`` new tokens (1:
+    decode); enough cache copies to cycle through ``cold_bytes`` (at most 64)."""
     gen = torch.Generator().manual_seed(seed)
     rng = np.random.default_rng(seed)
     per = -(-context // PAGE)
@@ -74,12 +71,12 @@ def problem(batch: int, context: int, cold_bytes: int, seed: int = 0) -> Problem
     one = torch.randn(slots, KV_HEADS, HEAD_DIM, generator=gen).to(DTYPE)
     copies = min(64, -(-cold_bytes // (2 * one.numel() * one.element_size())))
     caches = [(one.clone(), one.clone()) for _ in range(copies)]
-    plan = StepPlan(kind="forward", token_ids=np.zeros((batch, 1), dtype=np.int64),
-                    q_lens=np.ones(batch, dtype=np.int32),
-                    cached_lens=np.full(batch, context - 1, dtype=np.int32), page_table=pages)
+    plan = StepPlan(kind="forward", token_ids=np.zeros((batch, chunk), dtype=np.int64),
+                    q_lens=np.full(batch, chunk, dtype=np.int32),
+                    cached_lens=np.full(batch, context - chunk, dtype=np.int32), page_table=pages)
 
     def rand(heads: int) -> torch.Tensor:
-        return torch.randn(batch, 1, heads, HEAD_DIM, generator=gen).to(DTYPE)
+        return torch.randn(batch, chunk, heads, HEAD_DIM, generator=gen).to(DTYPE)
 
     return Problem(batch, context, rand(HEADS), rand(KV_HEADS), rand(KV_HEADS), caches, plan)
 
@@ -159,6 +156,9 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--calls", type=int, default=5, help="timed calls per round (median)")
     ap.add_argument("--threads", type=int, default=1, help="torch threads (TP=1 default: 1)")
+    ap.add_argument("--chunk", type=int, default=1,
+                    help="new tokens per request: 1 = decode; e.g. 512 = a prefill chunk whose "
+                         "context includes it (the slope is then per 1K cached context)")
     ap.add_argument("--clock", choices=["auto", "cpu", "wall"], default="auto",
                     help="cpu: the calling thread's CPU time (a shared machine's preemption does "
                          "not count; only meaningful on one thread); auto: cpu on one thread")
@@ -167,18 +167,20 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     torch.set_num_threads(args.threads)
     cpu_clock = args.clock == "cpu" or (args.clock == "auto" and args.threads == 1)
     clock = time.thread_time if cpu_clock else time.perf_counter
-    print(f"threads {args.threads}, clock {'thread CPU time' if cpu_clock else 'wall'}")
+    print(f"threads {args.threads}, clock {'thread CPU time' if cpu_clock else 'wall'}, "
+          f"{args.chunk} new token(s) per request")
     bandwidth = torch.ones(64 << 20, dtype=torch.float32)  # 256 MB: far past the caches
     rows = []
     for b in args.batches:
         for c in args.contexts:
             with torch.inference_mode():
-                got = measure(problem(b, c, 64 << 20), args.rounds, args.calls, bandwidth, clock)
+                got = measure(problem(b, c, 64 << 20, args.chunk), args.rounds, args.calls,
+                              bandwidth, clock)
             rows.append({"batch": b, "context": c, **got})
     report(rows, args.batches)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"threads": args.threads, "rows": rows}, f, indent=1)
+            json.dump({"threads": args.threads, "chunk": args.chunk, "rows": rows}, f, indent=1)
     return rows
 
 

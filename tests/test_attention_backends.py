@@ -210,6 +210,25 @@ def test_registry() -> None:
         assert info.value.flag == "--attention-backend" and "\n" not in str(info.value)
 
 
+def test_native_op_compiles() -> None:
+    """torch.compile(fullgraph) traces the op (its fake shape and the cache mutation)."""
+    torch.set_num_threads(1)
+    case = make_case(8, q_lens=[1, 1, 3], cached=[5, 40, 17], heads=(8, 2), head_dim=64)
+    ref, k_ref, v_ref = reference(case)
+    attn = create("cpu", case.spec, CPU)
+    step = attn.prepare(case.metadata())
+
+    def layer(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+              v_cache: torch.Tensor) -> torch.Tensor:
+        return attn.forward(q * 1.0, k, v, (k_cache, v_cache), step) + 0.0
+
+    k_cache, v_cache = case.caches()
+    out = torch.compile(layer, backend="aot_eager", fullgraph=True)(
+        case.q, case.k, case.v, k_cache, v_cache)
+    assert torch.equal(k_cache, k_ref) and torch.equal(v_cache, v_ref)
+    assert (out.double() - ref).abs().max().item() <= 1e-5
+
+
 _DISABLED = """
 import torch
 from tpserve.errors import ConfigError
