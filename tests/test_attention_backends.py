@@ -11,7 +11,7 @@ draft-step ancestor masks, decode):
 - the native kernel on both its ISA paths (AVX2 built with -mno-avx512f, AVX-512 where the CPU
   has it), with any thread count and batch composition giving the same bits per row.
 Also: the registry's choices and refusals, the fallback when the native op is off, layout
-checks, and agreement with today's padded ForwardBatch path on the same StepPlan.
+checks, and the engine's layout expansion giving the same metadata.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ import torch
 
 from tests.attention_cases import Case, make_case, reference
 from tests.attention_ctypes import NativeKernel
-from tpserve.engine.plan import StepPlan, build_forward_batch
+from tpserve.engine.plan import Layout, build_forward_batch
 from tpserve.errors import ConfigError
 from tpserve.layers.attention import (
     AttentionSpec,
@@ -36,7 +36,6 @@ from tpserve.layers.attention import (
     build_metadata,
     cpu_native,
     create,
-    paged_attention,
 )
 from tpserve.layers.attention.registry import NAMES
 
@@ -251,24 +250,18 @@ def test_disabled_native_op_falls_back_to_torch() -> None:
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("kind", ["prefill", "verify"])
-def test_same_as_the_forward_batch_path(backend: str, kind: str) -> None:
-    """The engine's StepPlan through today's padded path (build_forward_batch + the gather
-    paged_attention) and through the ragged metadata + a backend give the same rows."""
-    window = 11
+def test_the_engine_layout_builds_the_same_attention(backend: str, kind: str) -> None:
+    """A step's compact layout through the engine's build_forward_batch gives exactly the
+    metadata (and so the rows) the backends are checked with above."""
     case = make_case(4, q_lens=[5, 5] if kind == "verify" else [3, 12], cached=[20, 9],
-                     heads=(4, 2), head_dim=64, window=window,
+                     heads=(4, 2), head_dim=64, window=11,
                      mask="tree" if kind == "verify" else None)
-    q_max = int(case.q_lens.max())
-    tokens = np.zeros((2, q_max), dtype=np.int64)
-    plan = StepPlan(kind="forward", token_ids=tokens, q_lens=case.q_lens,
-                    cached_lens=case.kv_lens - case.q_lens, page_table=case.page_table)
-    fb = build_forward_batch(plan, case.page_size, window, CPU, tree_mask=case.custom_mask)
-    padded = [torch.zeros(2, q_max, t.shape[1], t.shape[2]) for t in (case.q, case.k, case.v)]
-    starts = np.concatenate([[0], np.cumsum(case.q_lens)])
-    for b in range(2):
-        for t, src in zip(padded, (case.q, case.k, case.v)):
-            t[b, :case.q_lens[b]] = src[starts[b]:starts[b + 1]]
-    old = paged_attention(*padded, case.caches(), fb, case.spec.scale)
-    new, _ = run(backend, case)
-    rows = torch.cat([old[b, :case.q_lens[b]] for b in range(2)])
-    assert (rows - new).abs().max().item() <= 1e-5
+    layout = Layout(np.zeros(int(case.q_lens.sum()), dtype=np.int64), case.q_lens,
+                    case.kv_lens - case.q_lens, case.page_table)
+    fb = build_forward_batch(layout, case.page_size, CPU, mask_start=case.mask_start,
+                             custom_mask=case.custom_mask)
+    attn = create(backend, case.spec, CPU)
+    cache = case.caches()
+    ours = attn.forward(case.q, case.k, case.v, cache, attn.prepare(fb.attn))
+    ref, _ = run(backend, case)
+    assert torch.equal(ours, ref)

@@ -23,4 +23,4 @@ def test_inductor_draft_and_verify_match_eager(ckpts: tuple[Path, Path]) -> None
     ref, _ = generate(target, None, TREE, 4)
     out, ex = generate(target, draft, TREE, 4, ONE_BUCKET)
     assert out == ref
-    assert set(ex.info["compiled"]) == {"draft/B4/T*", "verify/B4/T*"}
+    assert set(ex.info["compiled"]) == {"draft/B4", "verify/B4"}

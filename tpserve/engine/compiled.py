@@ -1,26 +1,22 @@
-"""CPU decode through torch.compile, bucketed by batch size B and key length T.
+"""CPU decode through torch.compile, bucketed by batch size.
 
 Why it helps at small batch on CPU: an eager decode step dispatches ~40 ATen ops per layer
 (norm casts, rotary gathers, splits, residual adds) each costing microseconds of Python and
 dispatcher overhead, while the matmuls themselves read only ~6 MB per layer. Inductor fuses
 the elementwise chains into a few C++ loops and replaces the per-op dispatch with one call.
 
-Batch shapes are fixed per bucket (``dynamic=False``, rows padded inertly). The key length T
-is by default a symbolic dimension (``mark_dynamic``): it only sizes the KV gather, mask and
-SDPA, never a matmul, so one compilation per (phase, B) serves every T, and keys are never
-padded, which keeps attention's reduction lengths identical to eager's. With
-``dynamic_keys=False`` T is padded to doubling buckets (``buckets.power_of_two_keys``),
-bounding compilations by |B buckets| x log2(context). No
-``.item()`` / numpy runs inside a phase, so a phase is one graph (``fullgraph`` at TP = 1;
-at TP > 1 each allreduce is a graph break that runs eagerly between compiled pieces).
+Batch shapes are fixed per bucket (``dynamic=False``, requests padded inertly). The page
+table's width is a symbolic dimension (``mark_dynamic``): attention reads it in place and
+never sizes a matmul with it, so one compilation per (forward, B) serves every context length.
+No ``.item()`` / numpy runs inside a forward, so a forward is one graph (``fullgraph`` at
+TP = 1; at TP > 1 each allreduce is a graph break that runs eagerly between compiled pieces).
 
 Outputs must not change. Inductor keeps every op that rounds where eager rounds
 (``emulate_precision_casts``), does not fold "residual + x @ W" into one addmm
 (``pattern_matcher`` off), and reductions whose order matters run as opaque ops that eager
-calls too (``tpserve::mean_square`` in RMSNorm, ``tpserve::small_matmul`` for projections of
-a few rows: C++ ops from ``layers/cpu_ops``, ~3 us a call), so only pointwise chains are
-fused. Tests and launch/bench_compile.py check greedy tokens are
-identical to eager (bf16 included).
+calls too (``tpserve::mean_square`` in RMSNorm, ``tpserve::small_matmul`` for projections,
+``tpserve::paged_attention``), so only pointwise chains are fused. Tests and
+launch/bench_compile.py check greedy tokens are identical to eager (bf16 included).
 """
 
 from __future__ import annotations
@@ -32,9 +28,9 @@ from typing import Any
 
 import torch
 
-from tpserve.engine.buckets import Buckets, pad_forward_batch
+from tpserve.engine.buckets import Buckets, inert_batch, pad_forward_batch
 from tpserve.engine.forward_batch import ForwardBatch
-from tpserve.engine.phases import Phase, pad_extras
+from tpserve.engine.static_forward import StaticForward, pad_extras
 
 log = logging.getLogger(__name__)
 
@@ -50,9 +46,6 @@ class CompileConfig:
     freezing: bool = False
     fullgraph: bool = True  # False at TP > 1: allreduces break the graph
     backend: str = "inductor"  # "eager": dynamo tracing + bucketing only (tests, debugging)
-    # True: T is a symbolic dimension (one compile per batch bucket, keys never padded, so
-    # attention sees exactly eager's keys); False: T is padded to ``buckets.key_sizes``.
-    dynamic_keys: bool = True
 
     def options(self) -> dict[str, Any]:
         # pattern_matcher off: its post-grad pass folds "residual + x @ W" into one addmm,
@@ -63,67 +56,59 @@ class CompileConfig:
 
 
 class CompiledExecutor:
-    """``StaticExecutor`` over torch.compile'd phases (CPU)."""
+    """``StaticExecutor`` over torch.compile'd forwards (CPU)."""
 
-    def __init__(self, phases: list[Phase], cfg: CompileConfig) -> None:
+    def __init__(self, forwards: list[StaticForward], cfg: CompileConfig) -> None:
         if cfg.mode not in MODES:
             raise ValueError(f"compile mode '{cfg.mode}' is not one of {', '.join(MODES)}")
         self.cfg = cfg
-        self.phases = {p.name: p for p in phases}
+        self.forwards = {p.name: p for p in forwards}
         # mode and options are mutually exclusive in torch.compile: fold the mode's own
         # switch into options.
         opts = {**cfg.options(), "max_autotune": cfg.mode != "default"}
         kwargs: dict[str, Any] = {"options": opts} if cfg.backend == "inductor" else {}
         self.compiled = {p.name: torch.compile(p.fn, dynamic=False, fullgraph=cfg.fullgraph,
-                                               backend=cfg.backend, **kwargs) for p in phases}
-        self._seen: set[tuple[str, int, int]] = set()
+                                               backend=cfg.backend, **kwargs) for p in forwards}
+        self._seen: set[tuple[str, int]] = set()
         self.info: dict[str, Any] = {
-            "kind": "torch.compile", "backend": cfg.backend, "mode": cfg.mode, "freezing": cfg.freezing,
-            "batch_sizes": list(cfg.buckets.batch_sizes),
-            "key_sizes": list(cfg.buckets.key_sizes), "compile_s": 0.0, "compiled": {}}
+            "kind": "torch.compile", "backend": cfg.backend, "mode": cfg.mode,
+            "freezing": cfg.freezing, "batch_sizes": list(cfg.buckets.batch_sizes),
+            "compile_s": 0.0, "compiled": {}}
 
-    def run(self, phase: str, fb: ForwardBatch,
+    def run(self, name: str, fb: ForwardBatch,
             extras: dict[str, torch.Tensor]) -> tuple[torch.Tensor, ...] | None:
-        spec = self.phases.get(phase)
-        batch, keys = fb.read_slots.shape
-        bucket = self.cfg.buckets.pick(batch, keys) if spec is not None else None
-        if spec is None or bucket is None or fb.num_queries != spec.queries:
+        spec = self.forwards.get(name)
+        bucket = self.cfg.buckets.pick(fb.batch_size) if spec is not None else None
+        if spec is None or bucket is None or fb.queries != spec.queries:
             return None
-        # Contiguous inputs: dynamo guards on strides, and an expanded (stride-0) input
-        # would otherwise compile a second variant of the same bucket.
-        if self.cfg.dynamic_keys:
-            bucket = (bucket[0], keys)
-        padded = ForwardBatch(*(t.contiguous() for t in _fields(pad_forward_batch(fb, *bucket))))
-        padded_extras = {k: v.contiguous() for k, v in pad_extras(extras, bucket[0]).items()}
-        if self.cfg.dynamic_keys:
-            # maybe_: a bucket whose T happens to be 1 may specialise instead of failing.
-            torch._dynamo.maybe_mark_dynamic(padded.read_slots, 1)
-            torch._dynamo.maybe_mark_dynamic(padded.mask, 3)
-            bucket = (bucket[0], 0)  # 0 = any T
-        key = (phase, *bucket)
+        padded = pad_forward_batch(fb, bucket)
+        padded_extras = {k: v.contiguous() for k, v in pad_extras(extras, bucket).items()}
+        # The page table's width follows the longest request: one graph serves them all.
+        torch._dynamo.maybe_mark_dynamic(padded.attn.page_table, 1)
+        key = (name, bucket)
         if key in self._seen:
-            out = self.compiled[phase](padded, padded_extras)
+            out = self.compiled[name](padded, padded_extras)
         else:
             out = self._first_call(key, padded, padded_extras)
-        rows = batch * spec.queries
+        rows = fb.batch_size * spec.queries
         return tuple(o[:rows] for o in out)
 
-    def refresh(self, phases: list[Phase]) -> None:
-        """Swap in rebuilt phases (a live speculative change); their buckets recompile lazily."""
-        for phase in phases:
-            if phase.name not in self.phases:
+    def refresh(self, forwards: list[StaticForward]) -> None:
+        """Swap in rebuilt forwards (a live speculative change); their buckets recompile lazily."""
+        for forward in forwards:
+            if forward.name not in self.forwards:
                 continue
-            self.phases[phase.name] = phase
-            self.compiled[phase.name] = torch.compile(
-                phase.fn, dynamic=False, fullgraph=self.cfg.fullgraph, backend=self.cfg.backend,
+            self.forwards[forward.name] = forward
+            self.compiled[forward.name] = torch.compile(
+                forward.fn, dynamic=False, fullgraph=self.cfg.fullgraph, backend=self.cfg.backend,
                 **({"options": {**self.cfg.options(), "max_autotune": self.cfg.mode != "default"}}
                    if self.cfg.backend == "inductor" else {}))
-            self._seen = {k for k in self._seen if k[0] != phase.name}
+            self._seen = {k for k in self._seen if k[0] != forward.name}
 
-    def _first_call(self, key: tuple[str, int, int], fb: ForwardBatch,
+    def _first_call(self, key: tuple[str, int], fb: ForwardBatch,
                     extras: dict[str, torch.Tensor]) -> tuple[torch.Tensor, ...]:
-        """Compile (B, T) bucket ``key``: timed, logged, reported in ``info``."""
-        limit = len(self.cfg.buckets.batch_sizes) * len(self.cfg.buckets.key_sizes) + 8
+        """Compile bucket ``key``: timed, logged, reported in ``info``."""
+        limit = len(self.cfg.buckets.batch_sizes) + 8
         start = time.perf_counter()
         # Every bucket is its own specialisation of the same code object; dynamo's default
         # limit (8) would silently fall back to eager past it.
@@ -133,32 +118,17 @@ class CompiledExecutor:
         seconds = time.perf_counter() - start
         self._seen.add(key)
         self.info["compile_s"] += seconds
-        keys = key[2] or "*"
-        self.info["compiled"][f"{key[0]}/B{key[1]}/T{keys}"] = round(seconds, 3)
-        log.info("compiled %s for batch %d, keys %s in %.1fs", key[0], key[1], keys, seconds)
+        self.info["compiled"][f"{key[0]}/B{key[1]}"] = round(seconds, 3)
+        log.info("compiled %s for batch %d in %.1fs", key[0], key[1], seconds)
         return out
 
     @torch.inference_mode()
-    def warmup(self, phase: str, batch_sizes: tuple[int, ...], key_sizes: tuple[int, ...],
+    def warmup(self, name: str, batch_sizes: tuple[int, ...], page_size: int,
                device: torch.device) -> None:
-        """Compile buckets ahead of traffic with all-inert batches (they touch slot 0 only)."""
-        spec = self.phases[phase]
+        """Compile buckets ahead of traffic with all-inert batches (they touch page 0 only)."""
+        spec = self.forwards[name]
         for b in batch_sizes:
-            for t in key_sizes:
-                fb = inert_batch(b, spec.queries, t, device)
-                extras = {k: torch.zeros(b, spec.queries, *shape, dtype=dtype, device=device)
-                          for k, (shape, dtype) in spec.extras.items()}
-                self.run(phase, fb, extras)
-
-
-def _fields(fb: ForwardBatch) -> tuple[torch.Tensor, ...]:
-    return fb.input_ids, fb.positions, fb.write_slots, fb.read_slots, fb.mask
-
-
-def inert_batch(batch: int, queries: int, keys: int, device: torch.device) -> ForwardBatch:
-    """A batch of only inert rows: token 0 at position 0, writing and reading slot 0."""
-    zeros = torch.zeros(batch, queries, dtype=torch.long, device=device)
-    mask = torch.zeros(batch, 1, queries, keys, dtype=torch.bool, device=device)
-    mask[..., 0] = True
-    return ForwardBatch(zeros, zeros.clone(), zeros.clone(),
-                        torch.zeros(batch, keys, dtype=torch.long, device=device), mask)
+            fb = inert_batch(b, spec.queries, 1, page_size, device)
+            extras = {k: torch.zeros(b, spec.queries, *shape, dtype=dtype, device=device)
+                      for k, (shape, dtype) in spec.extras.items()}
+            self.run(name, fb, extras)

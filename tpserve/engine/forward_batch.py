@@ -1,8 +1,12 @@
-"""The tensors one model forward consumes, padded to a rectangular [batch, query] shape.
+"""The tensors one model forward consumes: a ragged batch of query rows over the paged cache.
 
-Every request contributes Q query tokens (padded) and reads T key slots (padded) from the
-paged KV cache. Shapes depend only on (B, Q, T), never on the data, which is what CUDA-graph
-or torch.compile buckets need.
+Request b feeds rows ``q_indptr[b]:q_indptr[b + 1]`` of ``input_ids`` / ``positions``
+(decode tokens and prompt chunks mix without padding); how each row attends is described by
+``attn`` (``tpserve.layers.attention.AttentionMetadata``: page table, key counts, write
+slots, an optional speculative mask), built once per step and read by every layer.
+
+``queries`` is Q when every request feeds exactly Q rows (decode, draft, verify steps): only
+such batches are bucketed for CUDA graphs / torch.compile, padded with inert requests.
 """
 
 from __future__ import annotations
@@ -11,23 +15,20 @@ from dataclasses import dataclass
 
 import torch
 
+from tpserve.layers.attention.metadata import AttentionMetadata
+
 
 @dataclass
 class ForwardBatch:
-    input_ids: torch.Tensor  # [B, Q] int64
-    positions: torch.Tensor  # [B, Q] int64
-    write_slots: torch.Tensor  # [B, Q] int64; padded queries write to the dummy slot 0
-    read_slots: torch.Tensor  # [B, T] int64; padded keys read the dummy slot 0
-    mask: torch.Tensor  # [B, 1, Q, T] bool, True = query may attend to key
+    input_ids: torch.Tensor  # [N] int64
+    positions: torch.Tensor  # [N] int64
+    attn: AttentionMetadata
+    queries: int  # rows per request when uniform, else 0
 
     @property
     def batch_size(self) -> int:
-        return int(self.input_ids.shape[0])
+        return self.attn.batch_size
 
     @property
-    def num_queries(self) -> int:
-        return int(self.input_ids.shape[1])
-
-    def to(self, device: torch.device) -> ForwardBatch:
-        return ForwardBatch(*(t.to(device, non_blocking=True) for t in (
-            self.input_ids, self.positions, self.write_slots, self.read_slots, self.mask)))
+    def num_rows(self) -> int:
+        return int(self.input_ids.shape[0])

@@ -1,17 +1,17 @@
-"""CUDA graphs for the decode-time phases: one graph per batch-size bucket and phase.
+"""CUDA graphs for the decode-time static forwards: one graph per batch-size bucket and forward.
 
-Each graph owns static input buffers ([B, Q] ids/positions/write slots, [B, T] read slots,
-[B, 1, Q, T] mask, extras) and replays the phase's kernels without any CPU launch cost. A
-batch of n requests is copied into the smallest bucket B >= n; rows n..B are inert (token 0,
-dummy slot 0, attend to slot 0 only), so they cannot touch real KV. Batches above the
-largest bucket, and prefill, run eagerly.
+Each graph owns static inputs (token ids, positions, and the attention metadata: page table,
+query offsets, key counts, write slots, speculative mask) and replays the forward's kernels
+without any CPU launch cost. A batch of b requests is padded to the smallest bucket B >= b
+with inert requests (dummy page 0 only), so they cannot touch real KV. Batches above the
+largest bucket, and prefill, run eagerly (counted, see ``static_forward.run_static``).
 
-Key length: the gather-based attention's T is a tensor dimension, so it is fixed per graph
-at ``max_keys`` = the context (plus speculative lookahead) rounded to the page size. The
-trade-off: a short sequence still gathers and attends over max_keys keys (masked columns
-read the dummy slot, which stays cache-resident, but the gathered [B, T, Hk, D] buffers and
-the SDPA work scale with max_keys), and activation memory is sized for the full context.
-In exchange there is one graph per batch bucket rather than one per (B, T) pair.
+Key span: attention is prepared inside the graph, and the torch backend sizes its key gather
+by the page table's width, fixed at capture to the context limit (plus the speculative
+lookahead). Replays are therefore correct for any context, but the gather and its masked
+columns cost work in proportion to that limit; a graph-capturable paged kernel (FlashInfer's
+CUDA-graph mode) would remove it and is not wired yet, so ``auto`` picks ``torch`` on CUDA when
+graphs are on (``static_setup.graph_attention_backend``).
 
 All graphs share one memory pool (``torch.cuda.graph_pool_handle``): they are replayed one
 at a time, so their intermediates can overlap. Each graph's outputs stay allocated in the
@@ -20,8 +20,8 @@ caller still holds.
 
 Allreduces inside capture go through the active ``AllReduce``; at TP > 1 it must declare
 ``capture_safe`` (checked at start-up, see ``static_setup``). Graphs capture the backend
-active at capture time: after a live switch to another backend, steps run eagerly. Backend
-call statistics are Python-side, so they are not updated by replays.
+active at capture time: a live switch recaptures. Backend call statistics are Python-side,
+so they are not updated by replays.
 """
 
 from __future__ import annotations
@@ -30,16 +30,15 @@ import logging
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from tpserve.dist import CommSwitch
-from tpserve.engine.buckets import pad_forward_batch
-from tpserve.engine.compiled import inert_batch
+from tpserve.engine.buckets import inert_batch, pad_forward_batch
 from tpserve.engine.forward_batch import ForwardBatch
-from tpserve.engine.phases import Phase
+from tpserve.engine.static_forward import StaticForward
 
 log = logging.getLogger(__name__)
 
@@ -47,7 +46,9 @@ log = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class GraphConfig:
     batch_sizes: tuple[int, ...]  # ascending buckets
-    max_keys: int  # static T of every graph (multiple of the page size)
+    max_keys: int  # keys a request can have (context + lookahead, a page multiple)
+    page_size: int
+    mask_width: dict[str, int] = field(default_factory=dict)  # speculative mask per forward
 
 
 @dataclass
@@ -65,91 +66,105 @@ class CudaGraphExecutor:
         self.cfg, self.device, self.comm = cfg, device, comm
         self.pool = torch.cuda.graph_pool_handle()
         self.backend = comm.active_name if comm is not None else None
-        self.phases: dict[str, Phase] = {}
+        self.forwards: dict[str, StaticForward] = {}
         self.graphs: dict[str, dict[int, _Captured]] = {}
         self.info: dict[str, Any] = {"kind": "cuda_graph", "batch_sizes": list(cfg.batch_sizes),
                                      "max_keys": cfg.max_keys, "allreduce": self.backend,
                                      "sets": {}}
 
-    def run(self, phase: str, fb: ForwardBatch,
+    def run(self, name: str, fb: ForwardBatch,
             extras: dict[str, torch.Tensor]) -> tuple[torch.Tensor, ...] | None:
-        graphs, spec = self.graphs.get(phase), self.phases.get(phase)
-        if not graphs or spec is None or fb.num_queries != spec.queries:
+        graphs, spec = self.graphs.get(name), self.forwards.get(name)
+        if not graphs or spec is None or fb.queries != spec.queries:
             return None
         if self.comm is not None and self.comm.active_name != self.backend:
             return None  # captured kernels belong to the backend active at capture
-        batch, keys = fb.read_slots.shape
+        batch = fb.batch_size
         bucket = next((b for b in self.cfg.batch_sizes if b >= batch), None)
-        if bucket is None or keys > self.cfg.max_keys:
+        if bucket is None or fb.attn.max_kv_len > self.cfg.max_keys:
             return None
         cap = graphs[bucket]
-        padded = pad_forward_batch(fb, bucket, self.cfg.max_keys)
-        for dst, src in zip(_fields(cap.batch), _fields(padded), strict=True):
-            dst.copy_(src, non_blocking=True)
-        for name, buf in cap.extras.items():
-            buf[:batch].copy_(extras[name])
+        _copy_inputs(cap.batch, pad_forward_batch(fb, bucket))
+        for name_, buf in cap.extras.items():
+            buf[:batch].copy_(extras[name_])
             buf[batch:].zero_()
         cap.graph.replay()
         rows = batch * spec.queries
         return tuple(o[:rows].clone() for o in cap.outputs)
 
-    def refresh(self, phases: list[Phase]) -> None:
-        """Recapture just ``phases`` (e.g. verify/draft after a live speculative change)."""
-        for phase in phases:
-            if phase.name in self.graphs:
-                self.graphs.pop(phase.name)
-                self.capture(phase)
+    def refresh(self, forwards: list[StaticForward]) -> None:
+        """Recapture just ``forwards`` (e.g. verify/draft after a live speculative change)."""
+        for forward in forwards:
+            if forward.name in self.graphs:
+                self.graphs.pop(forward.name)
+                self.capture(forward)
 
     def on_backend_change(self) -> None:
         """Captured collectives belong to the backend active at capture: recapture them all
         (every rank does this between the same two steps, so the captures pair up)."""
         self.backend = self.comm.active_name if self.comm is not None else None
         self.info["allreduce"] = self.backend
-        for phase in list(self.phases.values()):
-            self.graphs.pop(phase.name, None)
-            self.capture(phase)
+        for forward in list(self.forwards.values()):
+            self.graphs.pop(forward.name, None)
+            self.capture(forward)
 
     @torch.inference_mode()
-    def capture(self, phase: Phase, progress: Callable[[str], None] = log.info) -> None:
-        """Capture ``phase`` for every bucket (largest first, so later ones fit its pool)."""
+    def capture(self, forward: StaticForward, progress: Callable[[str], None] = log.info) -> None:
+        """Capture ``forward`` for every bucket (largest first, so later ones fit its pool)."""
         torch.cuda.synchronize(self.device)
         free_before = torch.cuda.mem_get_info(self.device)[0]
         start = time.perf_counter()
-        self.phases[phase.name] = phase
-        graphs = self.graphs.setdefault(phase.name, {})
+        self.forwards[forward.name] = forward
+        graphs = self.graphs.setdefault(forward.name, {})
         sizes = sorted(self.cfg.batch_sizes, reverse=True)
         with _timing_off(self.comm):
             for i, bs in enumerate(sizes):
-                progress(f"capturing CUDA graph '{phase.name}' batch {bs} ({i + 1}/{len(sizes)})")
-                graphs[bs] = self._capture_one(phase, bs)
+                progress(f"capturing CUDA graph '{forward.name}' batch {bs} ({i + 1}/{len(sizes)})")
+                graphs[bs] = self._capture_one(forward, bs)
         torch.cuda.synchronize(self.device)
         seconds = time.perf_counter() - start
         used = free_before - torch.cuda.mem_get_info(self.device)[0]
-        self.info["sets"][phase.name] = {"graphs": len(sizes), "capture_s": round(seconds, 3),
+        self.info["sets"][forward.name] = {"graphs": len(sizes), "capture_s": round(seconds, 3),
                                          "memory_mb": round(used / 2**20, 1)}
-        log.info("captured %d '%s' graphs in %.1fs using %.0f MB", len(sizes), phase.name,
+        log.info("captured %d '%s' graphs in %.1fs using %.0f MB", len(sizes), forward.name,
                  seconds, used / 2**20)
 
-    def _capture_one(self, phase: Phase, bs: int) -> _Captured:
-        fb = inert_batch(bs, phase.queries, self.cfg.max_keys, self.device)
-        extras = {k: torch.zeros(bs, phase.queries, *shape, dtype=dtype, device=self.device)
-                  for k, (shape, dtype) in phase.extras.items()}
+    def _capture_one(self, forward: StaticForward, bs: int) -> _Captured:
+        pages = self.cfg.max_keys // self.cfg.page_size
+        # The static page table is as wide as the longest request it may serve.
+        fb = inert_batch(bs, forward.queries, pages, self.cfg.page_size, self.device,
+                         self.cfg.mask_width.get(forward.name, 0))
+        extras = {k: torch.zeros(bs, forward.queries, *shape, dtype=dtype, device=self.device)
+                  for k, (shape, dtype) in forward.extras.items()}
         # Warm up on a side stream: lazy initialisations (cuBLAS handles, NCCL communicators,
         # autotuning) must happen before capture, where they are not allowed.
         side = torch.cuda.Stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side):
             for _ in range(2):
-                phase.fn(fb, extras)
+                forward.fn(fb, extras)
         torch.cuda.current_stream(self.device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
-            outputs = phase.fn(fb, extras)
+            outputs = forward.fn(fb, extras)
         return _Captured(graph, fb, extras, outputs)
 
 
-def _fields(fb: ForwardBatch) -> tuple[torch.Tensor, ...]:
-    return fb.input_ids, fb.positions, fb.write_slots, fb.read_slots, fb.mask
+def _copy_inputs(static: ForwardBatch, fb: ForwardBatch) -> None:
+    """Copy a (bucket-padded) batch into a graph's static inputs; the page table and the
+    speculative mask are narrower than the static ones, whose other columns stay unread (a
+    request's key count bounds what attention looks at)."""
+    dst, src = static.attn, fb.attn
+    static.input_ids.copy_(fb.input_ids, non_blocking=True)
+    static.positions.copy_(fb.positions, non_blocking=True)
+    for name in ("q_indptr", "kv_lens", "write_slots"):
+        getattr(dst, name).copy_(getattr(src, name), non_blocking=True)
+    dst.page_table[:, : src.page_table.shape[1]].copy_(src.page_table, non_blocking=True)
+    if dst.custom_mask is not None and src.custom_mask is not None:
+        width = src.custom_mask.shape[2]
+        dst.custom_mask[:, :, :width].copy_(src.custom_mask, non_blocking=True)
+        dst.custom_mask[:, :, width:].zero_()
+        dst.mask_start.copy_(src.mask_start, non_blocking=True)
 
 
 @contextmanager

@@ -1,76 +1,75 @@
-"""The per-step plan rank 0 sends to every rank, and how each rank turns it into tensors.
+"""Expanding a step's compact layout (tokens, lengths, page table) into a ForwardBatch.
 
-A plan carries only compact integers (tokens, lengths, page tables); each rank expands them
-into positions, slots and masks itself, so the control message stays small.
+Messages between ranks carry only integers (``engine/messages.py``); each rank calls
+``build_forward_batch`` on what it received, so every rank builds identical tensors. Tokens
+are ragged: request b's rows follow request b - 1's, ``q_lens[b]`` of them.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 import torch
 
 from tpserve.engine.forward_batch import ForwardBatch
+from tpserve.layers.attention.metadata import build_metadata
 
 
-@dataclass
-class StepPlan:
-    kind: str  # "forward" | "shutdown" | "admin" | "noop"
-    token_ids: np.ndarray | None = None  # [B, Q] int64, padded with 0
-    q_lens: np.ndarray | None = None  # [B] tokens fed this step per request
-    cached_lens: np.ndarray | None = None  # [B] tokens already in the cache before this step
-    page_table: np.ndarray | None = None  # [B, P] page ids covering cached + q_len tokens
-    logit_rows: np.ndarray | None = None  # flat row indices (b * Q + q) that need logits
-    extra: dict[str, Any] = field(default_factory=dict)  # mode-specific data (speculation, admin)
+class BatchLayout(Protocol):
+    """What a forward needs to know about its batch (``ForwardStep`` and ``SpecStep`` have it)."""
+
+    @property
+    def token_ids(self) -> np.ndarray: ...  # [N] int64, request by request
+
+    @property
+    def q_lens(self) -> np.ndarray: ...  # [B]: tokens fed this step per request
+
+    @property
+    def cached_lens(self) -> np.ndarray: ...  # [B]: tokens already in the cache
+
+    @property
+    def page_table(self) -> np.ndarray: ...  # [B, P] page ids covering cached + q_len tokens
 
 
-def build_forward_batch(plan: StepPlan, page_size: int, sliding_window: int | None,
-                        device: torch.device, tree_mask: torch.Tensor | None = None,
-                        depths: torch.Tensor | None = None) -> ForwardBatch:
-    """Expand a plan into padded tensors.
+@dataclass(frozen=True)
+class Layout:
+    """A batch layout built on a rank itself (draft extend, verify, draft steps), never sent."""
 
-    Query j of request b sits at logical index cached + j in the request's slot sequence and
-    sees every committed key plus new keys allowed by ``tree_mask`` [B, Q, Q] (causal when None).
-    ``depths`` [B, Q] overrides the position offsets (tree nodes share positions by depth).
+    token_ids: np.ndarray
+    q_lens: np.ndarray
+    cached_lens: np.ndarray
+    page_table: np.ndarray
+
+
+def row_offsets(q_lens: np.ndarray) -> np.ndarray:
+    """[N]: each row's index within its request (0 .. q_len - 1)."""
+    starts = np.cumsum(q_lens) - q_lens
+    return np.arange(int(q_lens.sum())) - np.repeat(starts, q_lens)
+
+
+def build_forward_batch(layout: BatchLayout, page_size: int, device: torch.device,
+                        positions: np.ndarray | None = None, mask_start: np.ndarray | None = None,
+                        custom_mask: torch.Tensor | None = None) -> ForwardBatch:
+    """Expand ``layout`` on this rank.
+
+    Query j of request b is written at logical index cached + j and, without a custom mask,
+    sees every key up to itself. ``positions`` [N] overrides the rotary positions (tree nodes
+    share positions by depth); ``mask_start`` [B] + ``custom_mask`` [B, Q, M] give speculative
+    visibility (see ``AttentionMetadata``).
     """
-    tokens = torch.from_numpy(plan.token_ids).long()
-    q_lens = torch.from_numpy(plan.q_lens).long()
-    cached = torch.from_numpy(plan.cached_lens).long()
-    pages = torch.from_numpy(plan.page_table).long()
-    batch, queries = tokens.shape
-    total = cached + q_lens
-    span = int(total.max()) if batch else 1
-    span = -(-span // page_size) * page_size
-
-    j = torch.arange(queries)
-    real_q = j[None, :] < q_lens[:, None]  # [B, Q]
-    offsets = depths.long() if depths is not None else j[None, :].expand(batch, queries)
-    positions = torch.where(real_q, cached[:, None] + offsets, 0)
-    write_slots = torch.where(real_q, _slots(pages, cached[:, None] + j[None, :], page_size), 0)
-
-    t = torch.arange(span)
-    real_t = t[None, :] < total[:, None]  # [B, T]
-    read_slots = torch.where(real_t, _slots(pages, t[None, :].expand(batch, span), page_size), 0)
-
-    q_index = cached[:, None] + j[None, :]  # logical index of each query [B, Q]
-    mask = (t[None, None, :] <= q_index[:, :, None]) & real_t[:, None, :]
-    if tree_mask is not None:
-        new = t[None, None, :] >= cached[:, None, None]  # keys written this step
-        rel = (t[None, None, :] - cached[:, None, None]).clamp(0, queries - 1)
-        allowed = torch.gather(tree_mask.bool(), 2, rel.expand(batch, queries, span))
-        mask &= ~new | allowed
-    if sliding_window:
-        key_pos = t[None, None, :]
-        mask &= key_pos > q_index[:, :, None] - sliding_window
-    mask &= real_q[:, :, None]
-    # Padded query rows attend to the dummy slot only, so softmax never sees an all -inf row.
-    mask[:, :, 0] |= ~real_q
-    fb = ForwardBatch(tokens, positions, write_slots, read_slots, mask[:, None])
-    return fb if device.type == "cpu" else fb.to(device)
-
-
-def _slots(pages: torch.Tensor, logical: torch.Tensor, page_size: int) -> torch.Tensor:
-    page_idx = (logical // page_size).clamp(max=pages.shape[1] - 1)
-    return torch.gather(pages, 1, page_idx) * page_size + logical % page_size
+    q_lens = np.asarray(layout.q_lens, dtype=np.int64)
+    cached = np.asarray(layout.cached_lens, dtype=np.int64)
+    offsets = row_offsets(q_lens)
+    if positions is None:
+        positions = np.repeat(cached, q_lens) + offsets
+    kv_lens = cached + q_lens
+    meta = build_metadata(layout.page_table, q_lens, kv_lens, page_size, device,
+                          mask_start=mask_start, custom_mask=custom_mask)
+    uniform = int(q_lens[0]) if len(q_lens) and (q_lens == q_lens[0]).all() else 0
+    ids = torch.from_numpy(np.ascontiguousarray(layout.token_ids, dtype=np.int64))
+    pos = torch.from_numpy(np.ascontiguousarray(positions, dtype=np.int64))
+    if device.type != "cpu":
+        ids, pos = ids.to(device, non_blocking=True), pos.to(device, non_blocking=True)
+    return ForwardBatch(ids, pos, meta, uniform)

@@ -45,7 +45,7 @@ class RotaryEmbedding(nn.Module):
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor]:
         """q: [N, Hq, D], k: [N, Hk, D], positions: [N]."""
-        return self.at(positions, q.dtype)(positions, q, k)
+        return self.at(positions, q.dtype)(q, k)
 
     def at(self, positions: torch.Tensor, dtype: torch.dtype) -> RotaryAt:
         """cos/sin for ``positions`` gathered and cast once, reusable by every layer."""
@@ -54,7 +54,7 @@ class RotaryEmbedding(nn.Module):
 
 
 class RotaryAt:
-    """A rotary embedding bound to one step's positions (same call signature as the module).
+    """A rotary embedding bound to one step's positions: ``(q, k) -> (q, k)`` rotated.
 
     A decode step otherwise repeats the same gather + cast per layer: 4 small ops x layers
     of pure dispatch overhead at batch 1.
@@ -63,8 +63,7 @@ class RotaryAt:
     def __init__(self, cos: torch.Tensor, sin: torch.Tensor) -> None:
         self.cos, self.sin = cos, sin
 
-    def __call__(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    def __call__(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return _rotate(q, self.cos, self.sin), _rotate(k, self.cos, self.sin)
 
 

@@ -22,6 +22,9 @@ from safetensors import safe_open
 from torch import nn
 
 from tpserve.engine.forward_batch import ForwardBatch
+from tpserve.errors import ConfigError
+from tpserve.layers.attention import AttentionBackend, bind
+from tpserve.layers.attention import create as create_attention
 from tpserve.layers.linear import RowParallelLinear
 from tpserve.layers.norm import RMSNorm
 from tpserve.layers.rotary import RotaryEmbedding
@@ -32,6 +35,7 @@ from tpserve.models.config import ModelConfig, ModelConfigError, parse_config
 from tpserve.models.llama import MLP, Attention, KVPair
 
 ARCHITECTURES = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM")
+DRAFT_FLAG = "--speculative-draft-model-path"
 
 
 @dataclass(frozen=True)
@@ -45,12 +49,12 @@ class Eagle3Config:
 def load_eagle3_config(path: str | Path) -> Eagle3Config:
     file = Path(path) / "config.json"
     if not file.is_file():
-        raise ModelConfigError(f"draft model '{path}' has no config.json")
+        raise ModelConfigError(f"draft model '{path}' has no config.json", DRAFT_FLAG)
     raw = json.loads(file.read_text())
     archs = raw.get("architectures") or []
     if archs and archs[0] not in ARCHITECTURES:
         raise ModelConfigError(f"draft architecture '{archs[0]}' is not EAGLE-3 "
-                               f"(supported: {', '.join(ARCHITECTURES)})")
+                               f"(supported: {', '.join(ARCHITECTURES)})", DRAFT_FLAG)
     # The midlayer is a Llama decoder layer: reuse the Llama parser for its shape.
     base = parse_config({**raw, "architectures": ["LlamaForCausalLM"]})
     base = dataclasses.replace(base, architecture=archs[0] if archs else ARCHITECTURES[0])
@@ -74,10 +78,11 @@ def aux_layer_indices(cfg: Eagle3Config, target_layers: int) -> tuple[int, ...]:
     else:
         idx = (2, target_layers // 2, target_layers - 3)
     if len(idx) != 3 or len(set(idx)) != 3 or not all(0 <= i <= target_layers for i in idx):
-        raise SystemExit(
-            f"error: the EAGLE-3 draft needs 3 distinct auxiliary hidden states, but a target "
-            f"with {target_layers} layers gives layer inputs {list(idx)}; use a target with at "
-            "least 7 layers or a draft whose config sets eagle_aux_hidden_state_layer_ids")
+        raise ConfigError(
+            f"the EAGLE-3 draft needs 3 distinct auxiliary hidden states, but a target with "
+            f"{target_layers} layers gives layer inputs {list(idx)}; use a target with at least "
+            "7 layers or a draft whose config sets eagle_aux_hidden_state_layer_ids",
+            DRAFT_FLAG)
     return idx
 
 
@@ -105,6 +110,13 @@ class Eagle3Draft(nn.Module):
         self.rotary = RotaryEmbedding(base.rope, base.head_dim, max_position, device)
         self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.long,
                                                 device=device), persistent=False)
+        self.attention: AttentionBackend = create_attention(
+            "auto", self.self_attn.attention_spec(dtype, None), device)
+
+    def set_attention_backend(self, name: str) -> None:
+        weight = self.fc.weight
+        self.attention = create_attention(
+            name, self.self_attn.attention_spec(weight.dtype, None), weight.device)
 
     def project(self, aux: torch.Tensor) -> torch.Tensor:
         """fc over the concatenated target features [N, 3*Ht] -> [N, H] (row-parallel)."""
@@ -116,7 +128,8 @@ class Eagle3Draft(nn.Module):
                 cache: KVPair) -> torch.Tensor:
         """embeds, hidden: [N, H] -> pre-norm output [N, H] (fed back as the next feature)."""
         x = torch.cat((self.input_layernorm(embeds), self.hidden_norm(hidden)), dim=-1)
-        h = hidden + self.self_attn(x, self.rotary, batch, cache)
+        rotary = self.rotary.at(batch.positions, x.dtype)
+        h = hidden + self.self_attn(x, rotary, bind(self.attention, batch.attn), cache)
         return h + self.mlp(self.post_attention_layernorm(h))
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -153,10 +166,11 @@ def build_eagle3(path: str | Path, cfg: Eagle3Config, tp: TPContext, dtype: torc
     if d2t is not None:
         if d2t.numel() != cfg.draft_vocab_size:
             raise ModelConfigError(f"draft d2t has {d2t.numel()} entries, expected "
-                                   f"draft_vocab_size {cfg.draft_vocab_size}")
+                                   f"draft_vocab_size {cfg.draft_vocab_size}", DRAFT_FLAG)
         draft.d2t.copy_(d2t.long())
     elif cfg.draft_vocab_size != cfg.base.vocab_size:
-        raise ModelConfigError("draft vocabulary differs from the target's but d2t is missing")
+        raise ModelConfigError("draft vocabulary differs from the target's but d2t is missing",
+                               DRAFT_FLAG)
     return draft.eval()
 
 

@@ -12,7 +12,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from tpserve.engine.forward_batch import ForwardBatch
-from tpserve.layers.attention import paged_attention
+from tpserve.engine.kv_cache import KVLayout
+from tpserve.layers.attention import Attend, AttentionBackend, AttentionSpec, bind
+from tpserve.layers.attention import create as create_attention
 from tpserve.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from tpserve.layers.norm import RMSNorm
 from tpserve.layers.rotary import RotaryAt, RotaryEmbedding
@@ -38,7 +40,10 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(d, cfg.rms_norm_eps, dtype, device) if cfg.qk_norm else None
         self.k_norm = RMSNorm(d, cfg.rms_norm_eps, dtype, device) if cfg.qk_norm else None
 
-    def forward(self, x: torch.Tensor, rotary: RotaryEmbedding | RotaryAt, batch: ForwardBatch,
+    def attention_spec(self, dtype: torch.dtype, window: int | None) -> AttentionSpec:
+        return AttentionSpec(self.heads, self.kv_heads, self.head_dim, self.scale, dtype, window)
+
+    def forward(self, x: torch.Tensor, rotary: RotaryAt, attend: Attend,
                 cache: KVPair) -> torch.Tensor:
         n = x.shape[0]
         q_size, kv_size = self.heads * self.head_dim, self.kv_heads * self.head_dim
@@ -47,13 +52,8 @@ class Attention(nn.Module):
         k = k.reshape(n, self.kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rotary(batch.positions.reshape(-1), q, k)
-        shape = (batch.batch_size, batch.num_queries)
-        out = paged_attention(q.reshape(*shape, self.heads, self.head_dim),
-                              k.reshape(*shape, self.kv_heads, self.head_dim),
-                              v.reshape(*shape, self.kv_heads, self.head_dim),
-                              cache, batch, self.scale)
-        return self.o_proj(out.reshape(n, -1))
+        q, k = rotary(q, k)
+        return self.o_proj(attend(q, k, v.reshape(n, self.kv_heads, self.head_dim), cache))
 
 
 class MLP(nn.Module):
@@ -80,9 +80,9 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
 
-    def forward(self, x: torch.Tensor, rotary: RotaryEmbedding | RotaryAt, batch: ForwardBatch,
+    def forward(self, x: torch.Tensor, rotary: RotaryAt, attend: Attend,
                 cache: KVPair) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), rotary, batch, cache)
+        x = x + self.self_attn(self.input_layernorm(x), rotary, attend, cache)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -102,23 +102,40 @@ class LlamaForCausalLM(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
         self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, tp, dtype, device)
         self.rotary = RotaryEmbedding(cfg.rope, cfg.head_dim, max_position, device)
+        self.attention: AttentionBackend = self._attention_backend("auto", dtype, device)
+
+    def _attention_backend(self, name: str, dtype: torch.dtype,
+                           device: torch.device) -> AttentionBackend:
+        spec = self.layers[0].self_attn.attention_spec(dtype, self.cfg.sliding_window)
+        return create_attention(name, spec, device)
+
+    def set_attention_backend(self, name: str) -> None:
+        """``--attention-backend``: every layer attends through one backend, prepared per step."""
+        weight = self.embed_tokens.weight
+        self.attention = self._attention_backend(name, weight.dtype, weight.device)
 
     def forward(self, batch: ForwardBatch, kv: list[KVPair],
                 aux_layers: tuple[int, ...] = ()) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        """Returns final-normed hidden [B*Q, H] and the inputs of ``aux_layers`` (same shape)."""
-        x = self.embed_tokens(batch.input_ids.reshape(-1))
-        rotary = self.rotary.at(batch.positions.reshape(-1), x.dtype)  # shared by all layers
+        """Returns final-normed hidden [N, H] and the inputs of ``aux_layers`` (same shape)."""
+        x = self.embed_tokens(batch.input_ids)
+        rotary = self.rotary.at(batch.positions, x.dtype)  # shared by all layers
+        attend = bind(self.attention, batch.attn)  # the per-step preparation, done once
         aux: list[torch.Tensor] = []
         for i, layer in enumerate(self.layers):
             if i in aux_layers:
                 aux.append(x)
-            x = layer(x, rotary, batch, kv[i])
+            x = layer(x, rotary, attend, kv[i])
         if self.cfg.num_layers in aux_layers:
             aux.append(x)
         return self.norm(x), aux
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)
+
+    def kv_layout(self) -> KVLayout:
+        """Per-rank KV entries per token and layer (what the engine allocates pages for)."""
+        attn = self.layers[0].self_attn
+        return KVLayout.gqa(self.cfg.num_layers, attn.kv_heads, attn.head_dim)
 
     def checkpoint_names(self) -> dict[str, tuple[str, int | None]]:
         """Map every checkpoint tensor name to (our parameter name, shard id)."""

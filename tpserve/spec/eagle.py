@@ -48,8 +48,7 @@ def draft_tree(draft: Eagle3Draft, embed: nn.Module, cache: tuple[torch.Tensor, 
         own = torch.cat([ancestors, torch.eye(k, dtype=torch.bool).expand(batch, k, k)], dim=2)
         positions = (committed + step)[:, None].expand(batch, k)
         fb = draft_step_batch(beam_tokens.cpu(), pages, committed, step, positions, own,
-                              page_size)
-        fb = fb if device.type == "cpu" else fb.to(device)
+                              page_size, device)
         if step_fn is not None:
             out, logp = step_fn(fb, beam_hidden)
         else:

@@ -9,9 +9,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from tpserve.engine.forward_batch import ForwardBatch
+from tpserve.engine.plan import Layout, build_forward_batch
 
 
 @dataclass(frozen=True)
@@ -69,7 +71,7 @@ def slots(pages: torch.Tensor, logical: torch.Tensor, page_size: int) -> torch.T
 
 def draft_step_batch(tokens: torch.Tensor, pages: torch.Tensor, committed: torch.Tensor,
                      step: int, positions: torch.Tensor, ancestors: torch.Tensor,
-                     page_size: int) -> ForwardBatch:
+                     page_size: int, device: torch.device) -> ForwardBatch:
     """Batch for draft step ``step`` (0-based) over K beam nodes per request.
 
     Temporary draft nodes live at logical indices committed + s * K + j (s = step they were
@@ -77,14 +79,10 @@ def draft_step_batch(tokens: torch.Tensor, pages: torch.Tensor, committed: torch
     ``ancestors`` [B, K, (step + 1) * K] (its own ancestors and itself).
     """
     batch, k = tokens.shape
-    temp = (step + 1) * k
-    span = int(committed.max()) + temp
-    t = torch.arange(span)
-    total = committed + temp
-    read = torch.where(t[None, :] < total[:, None], slots(pages, t.expand(batch, span), page_size), 0)
-    rel = t[None, :] - committed[:, None]  # [B, T] index among temporary nodes
-    in_temp = (rel >= 0) & (rel < temp)
-    visible = torch.gather(ancestors, 2, rel.clamp(0, temp - 1)[:, None, :].expand(batch, k, span))
-    mask = (rel < 0)[:, None, :] | (in_temp[:, None, :] & visible)
-    write = slots(pages, committed[:, None] + step * k + torch.arange(k)[None, :], page_size)
-    return ForwardBatch(tokens, positions, write, read, mask[:, None])
+    base = (committed + step * k).numpy().astype(np.int32)
+    layout = Layout(tokens.reshape(-1).numpy(), np.full(batch, k, dtype=np.int32), base,
+                    pages.numpy().astype(np.int32))
+    return build_forward_batch(layout, page_size, device,
+                               positions=positions.reshape(-1).numpy(),
+                               mask_start=committed.numpy().astype(np.int32),
+                               custom_mask=ancestors)

@@ -10,7 +10,9 @@ layer repeats that work.
 
 from __future__ import annotations
 
+import functools
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -63,3 +65,12 @@ class AttentionBackend(ABC):
                 step: PreparedStep) -> torch.Tensor:
         """q [N, Hq, D], k/v [N, Hk, D] (this step's rows, in ``q_indptr`` order) ->
         [N, Hq * D] in q's dtype; k/v are written to ``step.meta.write_slots`` first."""
+
+
+# What a model layer calls: write this step's k/v into ``cache`` and attend (q, k, v, cache).
+Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, KVPair], torch.Tensor]
+
+
+def bind(backend: AttentionBackend, meta: AttentionMetadata) -> Attend:
+    """Prepare ``meta`` once for the step and give every layer the same prepared call."""
+    return functools.partial(backend.forward, step=backend.prepare(meta))

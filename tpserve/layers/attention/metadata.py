@@ -45,6 +45,7 @@ class AttentionMetadata:
     host: HostLayout
     mask_start: torch.Tensor | None = None  # [B] int32
     custom_mask: torch.Tensor | None = None  # [B, max_q_len or more, M] bool
+    uniform_q_len: int = 0  # Q when every request has Q > 0 rows (a plain int: no tracing)
 
     @property
     def batch_size(self) -> int:
@@ -117,4 +118,5 @@ def build_metadata(page_table: ArrayLike, q_lens: ArrayLike, kv_lens: ArrayLike,
         max_kv_len=int(kv.max()) if len(kv) else 0, host=host,
         mask_start=None if start is None else dev(start),
         custom_mask=None if custom_mask is None else custom_mask.to(device, torch.bool).contiguous(),
+        uniform_q_len=int(q[0]) if len(q) and q[0] > 0 and (q == q[0]).all() else 0,
     )

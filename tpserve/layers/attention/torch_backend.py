@@ -59,7 +59,10 @@ class TorchAttention(AttentionBackend):
 
     def prepare(self, meta: AttentionMetadata) -> TorchStep:
         device = meta.kv_lens.device
-        batch, queries, keys = meta.batch_size, max(meta.max_q_len, 1), max(meta.max_kv_len, 1)
+        # Sizes from shapes, not from the metadata's ints: the page table's width bounds every
+        # request's keys, and a compiled or captured forward sees it as a dimension.
+        batch, queries = meta.batch_size, meta.uniform_q_len or max(meta.max_q_len, 1)
+        keys = max(meta.page_table.shape[1] * meta.page_size, 1)
         t = torch.arange(keys, device=device)
         pages = meta.page_table.long().gather(
             1, (t // meta.page_size).clamp(max=meta.page_table.shape[1] - 1).expand(batch, -1))
@@ -70,6 +73,12 @@ class TorchAttention(AttentionBackend):
         mask[:, :, 0] |= blind
         q_len = (meta.q_indptr[1:] - meta.q_indptr[:-1]).long()
         j = torch.arange(queries, device=device)
+        if meta.uniform_q_len:
+            # Every request feeds Q rows and each row sees itself: no boolean indexing and no
+            # host sync, so CUDA graphs can capture this preparation.
+            rows = torch.arange(batch * queries, device=device)
+            return TorchStep(meta, key_slots, mask[:, None], rows.view(batch, queries), rows,
+                             None)
         real = j[None, :] < q_len[:, None]
         q_rows = torch.where(real, meta.q_indptr[:-1, None].long() + j, meta.num_rows)
         out_rows = torch.arange(batch * queries, device=device).view(batch, queries)[real]
