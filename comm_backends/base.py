@@ -197,8 +197,9 @@ class AllReduce(ABC):
 def gather_last_dim(tensor: torch.Tensor, world: int, group: dist.ProcessGroup | None) -> torch.Tensor:
     """All-gather ``tensor`` over ``group`` and concatenate the pieces along the last dim."""
     x = tensor.contiguous()
-    stacked = x.new_empty((world, *x.shape))
+    # The concatenated-along-dim-0 form of the output is the one every backend accepts.
+    flat = x.new_empty((world * x.shape[0], *x.shape[1:]))
     # torch 2.13 renamed all_gather_into_tensor (now deprecated) to all_gather_single.
     gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    gather(stacked, x, group=group)
-    return stacked.movedim(0, -2).reshape(*x.shape[:-1], world * x.shape[-1])
+    gather(flat, x, group=group)
+    return flat.view(world, *x.shape).movedim(0, -2).reshape(*x.shape[:-1], world * x.shape[-1])
