@@ -55,10 +55,9 @@ def refusal(name: str, topo: Topology, environment: bool = True) -> str | None:
         cls = backend_class(name)
     except BackendUnavailable as exc:
         return str(exc)
-    reason = cls.topology_refusal(topo)
-    if reason is None and environment:
-        reason = cls.environment_refusal(torch.device(topo.device))
-    return reason
+    # The environment first: "needs CUDA" says more than what a GPU-less topology lacks.
+    reason = cls.environment_refusal(torch.device(topo.device)) if environment else None
+    return reason if reason is not None else cls.topology_refusal(topo)
 
 
 def refusals(topo: Topology, names: Iterable[str] = BACKENDS, environment: bool = True
