@@ -53,7 +53,11 @@ class NodeRelayChannel:
                                                 on_death or exit_after(DEATH_GRACE_S))
 
     def send(self, obj: Any) -> None:
-        """Rank 0 only."""
+        """Rank 0 only. After any rank died nothing more is relayed: not even a shutdown plan
+        may make the other nodes' ranks exit as if the job had ended cleanly."""
+        dead = self._watch.dead_peer() if isinstance(self._watch, PeerWatch) else None
+        if dead is not None:
+            raise PeerGone(f"{dead}; not relaying further plans")
         dist.broadcast_object_list([obj], src=self._src, group=self._leaders)
         if self._local is not None:
             self._local.send(obj)
