@@ -35,7 +35,7 @@ from comm_backends.cuda_p2p_kernels import (
     SOURCE,
     THREADS,
 )
-from comm_backends.topology import Topology
+from comm_backends.topology import Topology, node_key
 
 _KIND = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
 _MiB = 1 << 20
@@ -142,8 +142,12 @@ class CudaP2PAllReduce(AllReduce):
         rt.memset(self._base, 0, SIGNAL_BYTES)
         rt.deviceSynchronize()
         sms = torch.cuda.get_device_properties(self._dev).multi_processor_count
-        entries = self._exchange((self._dev, sms, rt.ipcGetMemHandle(self._base)))
-        problem = _peer_access_problem([dev for dev, _, _ in entries])
+        mine = (self._dev, sms, rt.ipcGetMemHandle(self._base))
+        found = self._exchange((node_key(), mine))
+        entries = [entry for _, entry in found]
+        nodes = len({key for key, _ in found})
+        problem = (f"allreduce backend 'cuda_p2p' works within one node, but its ranks span {nodes} "
+                   "nodes" if nodes > 1 else _peer_access_problem([dev for dev, _, _ in entries]))
         if problem is not None:
             self.close()
             raise BackendUnavailable(problem)
