@@ -137,3 +137,28 @@ def _scenario_relay_clean(rank: int, world: int, layout: tuple[int, ...]) -> str
 
 def test_clean_exits_are_not_deaths(tmp_path: Path) -> None:
     assert run_world(4, _scenario_relay_clean, tmp_path, layout=(0, 1, 1, 2))[0] is None
+
+
+# ---------------------------------------------------------------------------- the benchmark
+def _scenario_bench(rank: int, world: int, layout: tuple[int, ...]) -> Any:
+    from comm_backends.bench import BenchArgs, failures, run
+
+    _as_node(rank, layout)
+    report = run(BenchArgs(backends=["gloo", "hier", "shm"], sizes=[4096, 65536], iters=10,
+                           warmup=2, max_seconds=0.5))
+    return report, failures(report, []), failures(report, ["shm"])
+
+
+def test_bench_across_nodes_compares_hier_with_flat_and_fails_on_a_skip(tmp_path: Path) -> None:
+    from comm_backends.bench_report import render_table
+
+    report, strict, lenient = run_world(4, _scenario_bench, tmp_path, layout=(0, 0, 1, 1))[0]
+    assert {(r.backend, r.nbytes) for r in report.results} == {
+        (b, n) for b in ("gloo", "hier") for n in (4096, 65536)}
+    assert all(r.correct for r in report.results)
+    hier = [r for r in report.results if r.backend == "hier"]
+    assert all(set(r.parts_us) == {"local", "cross", "broadcast"} for r in hier)
+    assert "spans 2 nodes" in report.skipped["shm"]
+    assert strict == [f"SKIPPED (required): shm: {report.skipped['shm']}"] and lenient == []
+    table = render_table(report)
+    assert "x gloo" in table and "hier at 4K, us per call (rank 0): local" in table

@@ -28,16 +28,18 @@ BYE = b"bye"
 _HELLO = struct.Struct("!i16s")  # rank, token
 
 
-def _listen() -> socket.socket:
-    """A listening socket on the address the job already reaches rank 0's host by."""
-    addr = os.environ.get("MASTER_ADDR", "127.0.0.1")
+def _listen() -> tuple[socket.socket, tuple[str, int]]:
+    """A listening socket on the address the job already reaches rank 0's host by (torchrun's
+    MASTER_ADDR), and the address to give the other ranks."""
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     try:
-        sock.bind((socket.gethostbyname(addr), 0))
-    except OSError:  # MASTER_ADDR names another interface of this host, or none: take any
+        host = socket.gethostbyname(os.environ.get("MASTER_ADDR", "127.0.0.1"))
+        sock.bind((host, 0))
+    except OSError:  # MASTER_ADDR is not an address of this host: listen everywhere
+        host = socket.getfqdn()
         sock.bind(("", 0))
     sock.listen()
-    return sock
+    return sock, (host, sock.getsockname()[1])
 
 
 class PeerWatch:
@@ -99,10 +101,11 @@ def connect(group: dist.ProcessGroup | None, nodes: list[int],
             on_death: Callable[[str], None], timeout_s: float = 120.0) -> PeerWatch | Link:
     """Collective over ``group`` (gloo): rank 0 gets a PeerWatch, every other rank a Link."""
     rank, world = dist.get_rank(group), dist.get_world_size(group)
-    listener = _listen() if rank == 0 else None
+    listener: socket.socket | None = None
     box: list[Any] = [None]
-    if listener is not None:
-        box = [(listener.getsockname(), secrets.token_bytes(16))]
+    if rank == 0:
+        listener, address = _listen()
+        box = [(address, secrets.token_bytes(16))]
     dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0) if group else 0, group=group)
     address, token = box[0]
     if listener is None:
