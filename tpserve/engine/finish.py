@@ -80,3 +80,14 @@ def abort(req: Request, message: str = "aborted") -> None:
     if not req.finished:
         req.finish_reason = {"type": "abort", "message": message}
     emit_progress(req)
+
+
+def fail_request(req: Request, message: str) -> None:
+    """Finish ``req`` with an error. Its final event is built without the detokenizer or the
+    stop matcher (either may be what failed), from the text already streamed."""
+    req.finish_reason = {"type": "abort", "message": message}
+    req.emit(RequestOutput(
+        rid=req.rid, text=req.text[: req.streamed_text], new_text="",
+        output_ids=list(req.output_ids), new_ids=req.output_ids[req.streamed_ids :],
+        finished=True, finish_reason=req.finish_reason, meta=req.meta(),
+        logprobs=list(req.logprobs)))

@@ -15,8 +15,9 @@ import asyncio
 import itertools
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, replace
+from types import MappingProxyType
 from typing import Any, Protocol
 
 from tokenizers import Tokenizer
@@ -24,6 +25,7 @@ from tokenizers import Tokenizer
 from tpserve.engine.engine import Command, Engine
 from tpserve.engine.request import RequestOutput, new_request
 from tpserve.engine.sampling_params import MAX_N, SamplingParams
+from tpserve.generation_config import with_defaults
 
 # 64-bit seeds, with room for the +i that n > 1 adds per choice (expand_n).
 SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1 - MAX_N
@@ -95,6 +97,8 @@ class EngineClient:
         self._counter = itertools.count()
         self.in_flight = 0  # admitted sequences not yet finished (only the event loop touches it)
         self.observer: RequestObserver | None = None
+        # generation_config.json's sampling defaults, for parameters a request leaves out
+        self.sampling_defaults: Mapping[str, Any] = MappingProxyType({})
 
     def admit(self, count: int) -> Admission:
         """Reserve ``count`` sequences or raise Overloaded (503) / BadRequest (can never fit)."""
@@ -124,8 +128,10 @@ class EngineClient:
                              f"{self.limits.context_length}")
 
     def parse_params(self, raw: dict[str, Any] | None) -> SamplingParams:
+        """A request's sampling parameters, the model's defaults filling what it left out."""
+        merged = with_defaults(raw, self.sampling_defaults, self.limits.max_new_tokens_limit)
         try:
-            params = SamplingParams.from_dict(raw or {})
+            params = SamplingParams.from_dict(merged)
         except ValueError as exc:
             raise BadRequest(str(exc)) from exc
         return self.validated(params)
@@ -159,7 +165,7 @@ class EngineClient:
         rid = rid or uuid.uuid4().hex
         req = new_request(rid, ids, params, self.tokenizer, self.eos_ids,
                           self.limits.server_seed + next(self._counter),
-                          lambda out: _deliver(loop, events, out))
+                          lambda out: _deliver(loop, events, out), self.engine.device)
         started, previous = time.perf_counter(), None
         last: RequestOutput | None = None
         try:

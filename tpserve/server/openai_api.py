@@ -19,6 +19,7 @@ from fastapi.responses import Response
 from tpserve.chat_template import ChatTemplate
 from tpserve.server.engine_client import BadRequest, EngineClient, EngineUnavailable, Overloaded
 from tpserve.server.http import error, parse_body
+from tpserve.server.openai_chat import template_inputs
 from tpserve.server.openai_format import Reply, usage
 from tpserve.server.openai_protocol import (
     ChatCompletionRequest,
@@ -70,14 +71,18 @@ class OpenAIFrontend:
                      self.client.tokenizer, want_logprobs)
 
     def _items(self, prompts: list[list[int]], req: SamplingFields, max_tokens: int | None,
-               top_logprobs: int) -> list[Item]:
+               top_logprobs: int, route_default: int | None) -> list[Item]:
+        """``max_tokens`` None: the model's generation_config default, else ``route_default``
+        (None: up to the context), either capped by the context left and the server limit."""
         items: list[Item] = []
+        fallback = self.client.sampling_defaults.get("max_new_tokens", route_default)
         for ids in prompts:
             self.client.check_prompt(ids)
             budget = self.client.limits.context_length - len(ids)
             limit = min(self.client.limits.max_new_tokens_limit, budget)
+            default = limit if fallback is None else min(int(fallback), limit)
             params = self.client.parse_params(
-                sampling_dict(req, limit if max_tokens is None else max_tokens, top_logprobs))
+                sampling_dict(req, default if max_tokens is None else max_tokens, top_logprobs))
             items.extend((ids, p, None) for p in self.client.expand_n(params))
         return items
 
@@ -85,8 +90,9 @@ class OpenAIFrontend:
         if req.echo:
             raise BadRequest("echo is not supported")
         prompts = self._prompts(req.prompt)
-        items = self._items(prompts, req, 16 if req.max_tokens is None else req.max_tokens,
-                            req.logprobs or 0)
+        # OpenAI's default of 16 applies only when neither the request nor the model sets one.
+        asked = req.max_tokens if "max_tokens" in req.model_fields_set else None
+        items = self._items(prompts, req, asked, req.logprobs or 0, 16)
         return Prepared(items, [len(p) for p in prompts], self._reply(False, req.logprobs is not None),
                         req.stream, bool(req.stream_options and req.stream_options.include_usage))
 
@@ -99,15 +105,17 @@ class OpenAIFrontend:
             return [list(prompt)]
         return [self.client.tokenize(p) if isinstance(p, str) else list(p) for p in prompt]
 
+    def chat_prompt(self, req: ChatCompletionRequest) -> list[int]:
+        """The prompt tokens transformers' ``apply_chat_template`` would give."""
+        messages, tools = template_inputs(req)
+        text = self.template.render(messages, add_generation_prompt=True, tools=tools)
+        return self.client.tokenize(text, self.template.tokenize_with_special_tokens)
+
     def prepare_chat(self, req: ChatCompletionRequest) -> Prepared:
-        messages = [{"role": "system" if m.role == "developer" else m.role,
-                     "content": m.content if not isinstance(m.content, list)
-                     else "".join(part.text for part in m.content)} for m in req.messages]
-        text = self.template.render(messages, add_generation_prompt=True)
-        ids = self.client.tokenize(text, self.template.tokenize_with_special_tokens)
+        ids = self.chat_prompt(req)
         max_tokens = req.max_completion_tokens if req.max_tokens is None else req.max_tokens
         top = (req.top_logprobs or 0) if req.logprobs else 0
-        items = self._items([ids], req, max_tokens, top)
+        items = self._items([ids], req, max_tokens, top, None)
         return Prepared(items, [len(ids)], self._reply(True, req.logprobs), req.stream,
                         bool(req.stream_options and req.stream_options.include_usage))
 
