@@ -1,22 +1,28 @@
 """Pluggable allreduce strategies for tensor parallelism, usable without tpserve.
 
-``create(name, group, device)`` builds a backend by name; ``available(device, world)`` tells
-which names can run here. Backends are imported lazily so that CUDA-only modules never load
-(or fail) on a CPU machine unless asked for.
+``create(name, group, device)`` builds a backend by name; ``refusal(name, topo)`` says why one
+cannot run on a measured ``Topology`` (None when it can); ``choose(topo)`` is what ``auto``
+means there, with its reason. Backends are imported lazily so that CUDA-only modules never
+load (or fail) on a CPU machine unless asked for.
 """
 
 from __future__ import annotations
 
 import importlib
-from collections.abc import Mapping
+import os
+from collections.abc import Iterable, Mapping
 from types import MappingProxyType
 
 import torch
 import torch.distributed as dist
 
-from comm_backends.base import AllReduce, BackendUnavailable, CommStats
+from comm_backends.base import AllReduce, BackendUnavailable, CommStats, one_line
+from comm_backends.choice import Choice, NoBackend, choose_backend
+from comm_backends.topology import Placement, Topology, measure
 
-__all__ = ["AllReduce", "BackendUnavailable", "CommStats", "BACKENDS", "create", "available", "resolve_auto"]
+__all__ = ["AllReduce", "BackendUnavailable", "CommStats", "BACKENDS", "Choice", "Topology",
+           "create", "available", "choose", "refusal", "refusals", "resolve_auto",
+           "unavailable_reason", "measure_here"]
 
 # name -> "module:Class"; a read-only mapping, extended by editing this table.
 BACKENDS: Mapping[str, str] = MappingProxyType(
@@ -26,14 +32,8 @@ BACKENDS: Mapping[str, str] = MappingProxyType(
         "shm": "comm_backends.shm:ShmAllReduce",
         "cuda_p2p": "comm_backends.cuda_p2p:CudaP2PAllReduce",
         "symm_mem": "comm_backends.symm_mem:SymmMemAllReduce",
+        "hier": "comm_backends.hier:HierAllReduce",
     }
-)
-
-# Preference order for `auto`, fastest first, per device type. The rule: a one-host
-# shared-memory/P2P path beats a general collective library at the small, latency-bound
-# message sizes of decode; fall back to the library when the fast path cannot run.
-AUTO_ORDER: Mapping[str, tuple[str, ...]] = MappingProxyType(
-    {"cpu": ("shm", "gloo"), "cuda": ("cuda_p2p", "symm_mem", "nccl")}
 )
 
 
@@ -48,12 +48,48 @@ def backend_class(name: str) -> type[AllReduce]:
     return getattr(module, cls_name)
 
 
-def unavailable_reason(name: str, device: torch.device, world_size: int) -> str | None:
+def refusal(name: str, topo: Topology, environment: bool = True) -> str | None:
+    """Why backend ``name`` cannot run on ``topo`` (None: it can). ``environment=False`` judges
+    the topology alone (pure), leaving out this machine's imports, builds and devices."""
     try:
         cls = backend_class(name)
     except BackendUnavailable as exc:
         return str(exc)
-    return cls.unavailable_reason(device, world_size)
+    # The environment first: "needs CUDA" says more than what a GPU-less topology lacks.
+    reason = cls.environment_refusal(torch.device(topo.device)) if environment else None
+    return reason if reason is not None else cls.topology_refusal(topo)
+
+
+def refusals(topo: Topology, names: Iterable[str] = BACKENDS, environment: bool = True
+             ) -> dict[str, str]:
+    found = {name: refusal(name, topo, environment) for name in names}
+    return {name: reason for name, reason in found.items() if reason is not None}
+
+
+def choose(topo: Topology, refused: Mapping[str, str] | None = None) -> Choice:
+    """What ``auto`` means on ``topo``; raises BackendUnavailable when nothing can run."""
+    try:
+        return choose_backend(topo, refusals(topo) if refused is None else refused)
+    except NoBackend as exc:
+        raise BackendUnavailable(str(exc)) from None
+
+
+def measure_here(device: torch.device, group: dist.ProcessGroup | None = None,
+                 dtype: torch.dtype | None = None) -> Topology:
+    """This rank's topology: world from ``group`` (or the environment), nodes from torchrun's."""
+    placement = Placement.from_env()
+    if dist.is_initialized():
+        world = dist.get_world_size(group)
+        # A subgroup's node layout is not torchrun's: single-node backends check it themselves.
+        local = placement.local_world_size if group is None and "LOCAL_WORLD_SIZE" in os.environ else world
+        placement = Placement(dist.get_rank(group), world, placement.local_rank, local,
+                              placement.node_rank)
+    return measure(device, placement, dtype)
+
+
+def unavailable_reason(name: str, device: torch.device, world_size: int) -> str | None:
+    """Why ``name`` cannot run here for ``world_size`` ranks on this one node (None: it can)."""
+    return refusal(name, measure(device, Placement(0, world_size, 0, world_size, 0)))
 
 
 def available(device: torch.device, world_size: int) -> list[str]:
@@ -61,18 +97,21 @@ def available(device: torch.device, world_size: int) -> list[str]:
 
 
 def resolve_auto(device: torch.device, world_size: int) -> str:
-    for name in AUTO_ORDER.get(device.type, ()):
-        if unavailable_reason(name, device, world_size) is None:
-            return name
-    raise BackendUnavailable(f"no allreduce backend available for {device.type} x {world_size}")
+    return choose(measure(device, Placement(0, world_size, 0, world_size, 0))).name
 
 
-def create(name: str, group: dist.ProcessGroup | None, device: torch.device) -> AllReduce:
-    """Build backend ``name`` for ``group`` on ``device``; raises BackendUnavailable."""
-    world = dist.get_world_size(group) if dist.is_initialized() else 1
+def create(name: str, group: dist.ProcessGroup | None, device: torch.device,
+           topo: Topology | None = None) -> AllReduce:
+    """Build backend ``name`` for ``group`` on ``device``; raises BackendUnavailable (one line)."""
+    topo = measure_here(device, group) if topo is None else topo
     if name == "auto":
-        name = resolve_auto(device, world)
-    reason = unavailable_reason(name, device, world)
+        name = choose(topo).name
+    reason = refusal(name, topo)
     if reason is not None:
         raise BackendUnavailable(reason)
-    return backend_class(name)(group, device)
+    try:
+        return backend_class(name)(group, device)
+    except BackendUnavailable:
+        raise
+    except (RuntimeError, OSError) as exc:  # set-up failed (driver, IPC, memory): say so in one line
+        raise BackendUnavailable(f"allreduce backend '{name}' failed to set up: {one_line(exc)}") from exc

@@ -9,15 +9,33 @@ from __future__ import annotations
 
 import time
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import ClassVar
 
 import torch
 import torch.distributed as dist
 
+from comm_backends.topology import Topology
+
 
 class BackendUnavailable(RuntimeError):
-    """Raised when a backend cannot run on this device / world size / build."""
+    """Raised when a backend cannot run on this device / world size / build / topology.
+
+    Its message is one line naming the backend and the missing requirement, so start-up can
+    print it as is.
+    """
+
+
+def one_line(text: object) -> str:
+    """A multi-line error message (torch's, NCCL's) squeezed onto one line."""
+    return " ".join(str(text).split())
+
+
+def spans_nodes_reason(name: str, topo: Topology) -> str:
+    return (f"allreduce backend '{name}' works within one node, but the job spans {topo.nodes} "
+            f"nodes ({topo.world_size} ranks, {topo.local_world_size} per node): use "
+            "--allreduce hier (fast local backend within nodes), gloo or nccl")
 
 
 @dataclass
@@ -33,10 +51,14 @@ class CommStats:
 
     enabled: bool = False
     calls: int = 0
+    gathers: int = 0  # all_gather calls, counted in calls/bytes/seconds too
     bytes: int = 0
     seconds: float = 0.0
     waited: float = 0.0
     by_phase: dict[str, list[float]] = field(default_factory=dict)  # [calls, seconds, waited]
+    # Sub-timings of composite backends (hier: local reduce, cross-node, local broadcast):
+    # part -> [calls, seconds]; only where the backend times its parts.
+    parts: dict[str, list[float]] = field(default_factory=dict)
     phase: str = "other"
 
     def record(self, nbytes: int, seconds: float, waited: float = 0.0) -> None:
@@ -49,19 +71,29 @@ class CommStats:
         entry[1] += seconds
         entry[2] += waited
 
+    def record_part(self, part: str, seconds: float) -> None:
+        entry = self.parts.setdefault(part, [0.0, 0.0])
+        entry[0] += 1
+        entry[1] += seconds
+
     def snapshot(self) -> dict[str, object]:
-        return {
+        snap: dict[str, object] = {
             "calls": self.calls,
+            "gathers": self.gathers,
             "bytes": self.bytes,
             "seconds": self.seconds,
             "waited_seconds": self.waited,
             "by_phase": {k: {"calls": int(v[0]), "seconds": v[1], "waited_seconds": v[2]}
                          for k, v in self.by_phase.items()},
         }
+        if self.parts:
+            snap["parts"] = {k: {"calls": int(v[0]), "seconds": v[1]} for k, v in self.parts.items()}
+        return snap
 
     def reset(self) -> None:
-        self.calls, self.bytes, self.seconds, self.waited = 0, 0, 0.0, 0.0
+        self.calls, self.gathers, self.bytes, self.seconds, self.waited = 0, 0, 0, 0.0, 0.0
         self.by_phase.clear()
+        self.parts.clear()
 
 
 class AllReduce(ABC):
@@ -71,6 +103,7 @@ class AllReduce(ABC):
     devices: ClassVar[tuple[str, ...]]  # device types it runs on, e.g. ("cpu",)
     dtypes: ClassVar[tuple[torch.dtype, ...]] = (torch.float32, torch.bfloat16, torch.float16)
     capture_safe: ClassVar[bool] = False  # may be called inside CUDA-graph capture
+    single_node: ClassVar[bool] = False  # needs every rank of the group on one node
 
     def __init__(self, group: dist.ProcessGroup | None, device: torch.device) -> None:
         self.group = group
@@ -80,10 +113,23 @@ class AllReduce(ABC):
         self.stats = CommStats()
 
     @classmethod
-    def unavailable_reason(cls, device: torch.device, world_size: int) -> str | None:
-        """None when this backend can run here, else one line saying why not."""
+    def environment_refusal(cls, device: torch.device) -> str | None:
+        """None when this machine's software and devices allow the backend, else one line why.
+
+        Looks at imports, builds and device presence only; the hardware topology is
+        ``topology_refusal``'s.
+        """
         if device.type not in cls.devices:
             return f"allreduce backend '{cls.name}' needs device {'/'.join(cls.devices)}, got {device.type}"
+        return None
+
+    @classmethod
+    def topology_refusal(cls, topo: Topology) -> str | None:
+        """None when the measured topology allows this backend, else one line why. Pure."""
+        if topo.device not in cls.devices:
+            return f"allreduce backend '{cls.name}' needs device {'/'.join(cls.devices)}, got {topo.device}"
+        if cls.single_node and topo.nodes > 1:
+            return spans_nodes_reason(cls.name, topo)
         return None
 
     def supports(self, tensor: torch.Tensor) -> bool:
@@ -102,34 +148,58 @@ class AllReduce(ABC):
     def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
         if self.world_size == 1:
             return tensor
-        nbytes = tensor.nbytes
-        # On CPU a clock read (~0.1 us) is noise next to any allreduce, so calls are always
+        return self._timed(self._all_reduce, tensor, tensor.nbytes)
+
+    def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Concatenate each rank's ``tensor`` along the last dim (same shape on every rank).
+
+        Counted in the same statistics as the allreduces (``gathers`` tells them apart).
+        """
+        if self.world_size == 1:
+            return tensor
+        self.stats.gathers += 1
+        return self._timed(self._all_gather, tensor, tensor.nbytes * self.world_size)
+
+    def _timed(self, op: Callable[[torch.Tensor], torch.Tensor], tensor: torch.Tensor,
+               nbytes: int) -> torch.Tensor:
+        # On CPU a clock read (~0.1 us) is noise next to any collective, so calls are always
         # timed; on CUDA timing needs a device sync, so only while profiling is enabled.
         if tensor.is_cuda and not self.stats.enabled:
             self.stats.record(nbytes, 0.0)
-            return self._all_reduce(tensor)
+            return op(tensor)
         if tensor.is_cuda:
             torch.cuda.synchronize(tensor.device)
         start, waited = time.perf_counter(), self.waited_seconds()
-        out = self._all_reduce(tensor)
+        out = op(tensor)
         if tensor.is_cuda:
             torch.cuda.synchronize(tensor.device)
         self.stats.record(nbytes, time.perf_counter() - start, self.waited_seconds() - waited)
         return out
 
-    def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
-        """Concatenate each rank's ``tensor`` along the last dim (same shape on every rank).
+    def _all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
+        """One all-gather through torch.distributed on ``gather_group()``: each rank's bytes
+        move once, where an allreduce of a zero-padded buffer moved world x as many, summed."""
+        return gather_last_dim(tensor, self.world_size, self.gather_group())
 
-        Built from ``all_reduce`` over a zero-padded buffer so every backend gets it for free and
-        its cost shows up in the same statistics; exact because x + 0 == x.
-        """
-        if self.world_size == 1:
-            return tensor
-        width = tensor.shape[-1]
-        full = tensor.new_zeros(*tensor.shape[:-1], width * self.world_size)
-        full[..., self.rank * width : (self.rank + 1) * width] = tensor
-        return self.all_reduce(full)
+    def gather_group(self) -> dist.ProcessGroup | None:
+        """The group ``_all_gather`` uses; it must support this backend's device."""
+        return self.group
+
+    def check(self) -> None:
+        """Raise if an earlier asynchronous collective failed (cheap; call at sync points)."""
+        return None
 
     def close(self) -> None:
         """Release backend resources (shared memory, IPC handles). Idempotent."""
         return None
+
+
+def gather_last_dim(tensor: torch.Tensor, world: int, group: dist.ProcessGroup | None) -> torch.Tensor:
+    """All-gather ``tensor`` over ``group`` and concatenate the pieces along the last dim."""
+    x = tensor.contiguous()
+    # The concatenated-along-dim-0 form of the output is the one every backend accepts.
+    flat = x.new_empty((world * x.shape[0], *x.shape[1:]))
+    # torch 2.13 renamed all_gather_into_tensor (now deprecated) to all_gather_single.
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    gather(flat, x, group=group)
+    return flat.view(world, *x.shape).movedim(0, -2).reshape(*x.shape[:-1], world * x.shape[-1])

@@ -7,6 +7,11 @@ Every rank checks each backend against a float64 reference (each rank rebuilds e
 seeded input locally, so the check needs no communication) and that all ranks got the same
 bits, then times it. Rank 0 prints one table, and optionally writes JSON and a PNG.
 Owns the measurement protocol; formatting lives in ``bench_report``.
+
+Exit status: non-zero when a requested backend was skipped (refused, or failed to set up)
+unless it is listed in ``--optional``, or when any result is wrong. Across nodes (torchrun
+--nnodes N), ``--backends gloo,hier`` prints the hierarchical backend against the flat one,
+with hier's local / cross-node / broadcast parts per size.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ from comm_backends.bench_report import render_table, write_json, write_plot
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 CUDA_BACKENDS = ("nccl", "cuda_p2p", "symm_mem")
+BOTH_DEVICES = ("hier",)  # runs on the run's device: CUDA when any CUDA backend is asked for
 DECODE_HIDDEN = (4096, 7168)
 DECODE_BATCH = (1, 8, 32)
 CALLS_PER_BARRIER = 10  # timed calls between barriers; the first after a barrier is dropped
@@ -47,6 +53,7 @@ class BenchArgs:
     pin: bool = False  # pin rank i to CPU i mod n: keeps the scheduler from stacking ranks
     json: str | None = None
     plot: str | None = None
+    optional: list[str] = field(default_factory=list)  # may be skipped without failing the run
 
 
 @dataclass
@@ -58,6 +65,7 @@ class Result:
     median_us: float = float("nan")
     p90_us: float = float("nan")
     iters: int = 0
+    parts_us: dict[str, float] = field(default_factory=dict)  # composite backends, mean per call
 
 
 @dataclass
@@ -158,10 +166,18 @@ def measure(backend: AllReduce, nbytes: int, dtype: torch.dtype, args: BenchArgs
     # Zeros stay zeros under repeated in-place sums (random data would overflow to inf/NaN
     # after a few dozen calls); float timing on these backends does not depend on the values.
     x = torch.zeros(numel, dtype=dtype, device=backend.device)
+    backend.stats.reset()
     samples = time_calls(lambda: backend.all_reduce(x), backend.device, args)
+    try:
+        backend.check()  # e.g. a cuda_p2p kernel that gave up waiting during the timed calls
+    except RuntimeError as exc:
+        print(f"rank {dist.get_rank()}: {backend.name}: {exc}", file=sys.stderr, flush=True)
+        ok = False
+    ok = bool(_slowest_rank(float(not ok)) == 0.0)  # wrong on any rank is wrong
     median = _slowest_rank(statistics.median(samples))
     p90 = _slowest_rank(_percentile(samples, 0.9))
-    return Result(backend.name, nbytes, ok, err, median * 1e6, p90 * 1e6, len(samples))
+    parts = {k: v[1] / v[0] * 1e6 for k, v in backend.stats.parts.items() if v[0]}
+    return Result(backend.name, nbytes, ok, err, median * 1e6, p90 * 1e6, len(samples), parts)
 
 
 def copy_floor(nbytes: int, device: torch.device, args: BenchArgs) -> float:
@@ -172,8 +188,12 @@ def copy_floor(nbytes: int, device: torch.device, args: BenchArgs) -> float:
     return _slowest_rank(statistics.median(samples)) * 1e6
 
 
-def _device_for(name: str) -> torch.device:
-    if name in CUDA_BACKENDS and torch.cuda.is_available():
+def _wants_cuda(names: list[str]) -> bool:
+    return any(n in CUDA_BACKENDS for n in names) and torch.cuda.is_available()
+
+
+def _device_for(name: str, names: list[str]) -> torch.device:
+    if _wants_cuda(names) and (name in CUDA_BACKENDS or name in BOTH_DEVICES):
         return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
     return torch.device("cpu")
 
@@ -182,7 +202,7 @@ def build_backends(names: list[str], dtype: torch.dtype, report: Report) -> list
     built = []
     for name in names:
         try:
-            backend = comm_backends.create(name, None, _device_for(name))
+            backend = comm_backends.create(name, None, _device_for(name, names))
         except BackendUnavailable as exc:
             report.skipped[name] = str(exc)
             continue
@@ -218,22 +238,34 @@ def run(args: BenchArgs) -> Report:
 
 
 def _init_process_group(args: BenchArgs) -> None:
-    wants_cuda = any(n in CUDA_BACKENDS for n in args.backends) and torch.cuda.is_available()
+    wants_cuda = _wants_cuda(args.backends)
     if wants_cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     dist.init_process_group("cpu:gloo,cuda:nccl" if wants_cuda else "gloo")
 
 
-def main_rank(args: BenchArgs) -> None:
+def failures(report: Report, optional: list[str]) -> list[str]:
+    """Why the run failed (empty: it passed): wrong results, and required backends skipped."""
+    found = [f"WRONG: {r.backend} at {r.nbytes} bytes" for r in report.results if not r.correct]
+    found += [f"SKIPPED (required): {name}: {why}" for name, why in report.skipped.items()
+              if name not in optional]
+    return found
+
+
+def main_rank(args: BenchArgs) -> int:
     _init_process_group(args)
     try:
         report = run(args)
+        problems = failures(report, args.optional)
         if dist.get_rank() == 0:
             print(render_table(report), flush=True)
+            for line in problems:
+                print(line, file=sys.stderr, flush=True)
             if args.json:
-                write_json(asdict(report), args.json)
+                write_json({**asdict(report), "failures": problems}, args.json)
             if args.plot:
                 write_plot(report, args.plot)
+        return 1 if problems else 0
     finally:
         dist.destroy_process_group()
 
@@ -243,16 +275,22 @@ def _spawned_rank(rank: int, world: int, port: int, args: BenchArgs) -> None:
         RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
     )
-    main_rank(args)
+    code = main_rank(args)
+    if code:
+        sys.exit(code)
 
 
-def spawn(world: int, args: BenchArgs) -> None:
+def spawn(world: int, args: BenchArgs) -> int:
     import torch.multiprocessing as mp
 
     with socket.socket() as s:  # a free port, chosen now: never a fixed one
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    mp.spawn(_spawned_rank, args=(world, port, args), nprocs=world)
+    try:
+        mp.spawn(_spawned_rank, args=(world, port, args), nprocs=world)
+    except mp.ProcessExitedException as exc:
+        return exc.exit_code or 1
+    return 0
 
 
 def parse_args(argv: list[str] | None = None) -> tuple[BenchArgs, int]:
@@ -270,6 +308,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[BenchArgs, int]:
     p.add_argument("--json", default=None)
     p.add_argument("--plot", default=None, help="latency-vs-size PNG")
     p.add_argument("--spawn", type=int, default=0, help="start N local ranks instead of torchrun")
+    p.add_argument("--optional", default="",
+                   help="comma list of backends that may be skipped (refused) without failing")
     ns = p.parse_args(argv)
     sizes = [parse_size(s) for s in ns.sizes.split(",") if s.strip()]
     if ns.decode_sizes:
@@ -278,6 +318,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[BenchArgs, int]:
         backends=[b.strip() for b in ns.backends.split(",") if b.strip()],
         sizes=sorted(set(sizes)), dtype=ns.dtype, iters=ns.iters, warmup=ns.warmup,
         max_seconds=ns.max_seconds, threads=ns.threads, pin=ns.pin, json=ns.json, plot=ns.plot,
+        optional=[b.strip() for b in ns.optional.split(",") if b.strip()],
     )
     return args, ns.spawn
 
@@ -285,13 +326,11 @@ def parse_args(argv: list[str] | None = None) -> tuple[BenchArgs, int]:
 def main(argv: list[str] | None = None) -> int:
     args, world = parse_args(argv)
     if world:
-        spawn(world, args)
-    elif "RANK" in os.environ:
-        main_rank(args)
-    else:
-        print("run under torchrun, or pass --spawn N", file=sys.stderr)
-        return 2
-    return 0
+        return spawn(world, args)
+    if "RANK" in os.environ:
+        return main_rank(args)
+    print("run under torchrun, or pass --spawn N", file=sys.stderr)
+    return 2
 
 
 if __name__ == "__main__":

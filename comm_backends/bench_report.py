@@ -56,6 +56,10 @@ def render_table(report: Report) -> str:
     if all(r.correct for r in report.results):
         lines.append(f"correctness: all {len(report.results)} (backend, size) pairs match the fp64 reference "
                      "and are bit-identical across ranks")
+    for r in report.results:
+        if r.parts_us:
+            parts = ", ".join(f"{k} {v:.1f}" for k, v in r.parts_us.items())
+            lines.append(f"{r.backend} at {human_bytes(r.nbytes)}, us per call (rank 0): {parts}")
     for name, reason in report.skipped.items():
         lines.append(f"skipped {name}: {reason}")
     return "\n".join(lines)

@@ -8,6 +8,11 @@ current stream. cupy is imported only inside functions so this module loads anyw
 Inputs are always copied into the registered buffer first (one device copy), so no per-tensor
 registration is needed and CUDA-graph capture works: the copy and the kernel are both captured,
 and the kernels keep their call counters in device memory.
+
+Waits are bounded (``CudaP2PConfig.timeout_s``): a kernel that gives up raises its flag
+(``cuda_p2p_flag``), every call checks the flag of the calls before it, and ``check()`` reads
+it at the engine's sync points. Set-up ends with a short self-test allreduce on every rank, so
+P2P that is advertised but does not deliver (IOMMU/ACS) is refused at start-up.
 """
 
 from __future__ import annotations
@@ -20,7 +25,8 @@ import numpy
 import torch
 import torch.distributed as dist
 
-from comm_backends.base import AllReduce, BackendUnavailable
+from comm_backends.base import AllReduce, BackendUnavailable, one_line
+from comm_backends.cuda_p2p_flag import raise_if_failed
 from comm_backends.cuda_p2p_kernels import (
     KERNELS,
     MAX_BLOCKS,
@@ -29,6 +35,7 @@ from comm_backends.cuda_p2p_kernels import (
     SOURCE,
     THREADS,
 )
+from comm_backends.topology import Topology, node_key
 
 _KIND = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
 _MiB = 1 << 20
@@ -40,6 +47,10 @@ class CudaP2PConfig:
     # Not measured (written without a GPU): one-shot reads world x the data over NVLink, two-shot
     # 2x, so two-shot should win from a few hundred KB. Tune with comm_backends.bench.
     two_shot_bytes: int = 512 << 10
+    # Longest wait for a peer inside a kernel. Ranks launch each step's collectives within
+    # milliseconds of each other; only a dead, stopped or unreachable peer takes seconds.
+    timeout_s: float = 30.0
+    self_test_timeout_s: float = 5.0  # the set-up self-test's limit: start-up must not hang
 
     @classmethod
     def from_env(cls) -> CudaP2PConfig:
@@ -48,6 +59,8 @@ class CudaP2PConfig:
             cfg = replace(cfg, buffer_bytes=int(env["TPSERVE_CUDA_P2P_BUFFER_BYTES"]))
         if "TPSERVE_CUDA_P2P_TWO_SHOT_BYTES" in env:
             cfg = replace(cfg, two_shot_bytes=int(env["TPSERVE_CUDA_P2P_TWO_SHOT_BYTES"]))
+        if "TPSERVE_CUDA_P2P_TIMEOUT_S" in env:
+            cfg = replace(cfg, timeout_s=float(env["TPSERVE_CUDA_P2P_TIMEOUT_S"]))
         return cfg
 
 
@@ -67,24 +80,35 @@ class CudaP2PAllReduce(AllReduce):
     name: ClassVar[str] = "cuda_p2p"
     devices: ClassVar[tuple[str, ...]] = ("cuda",)
     capture_safe: ClassVar[bool] = True
+    single_node: ClassVar[bool] = True
 
     @classmethod
-    def unavailable_reason(cls, device: torch.device, world_size: int) -> str | None:
+    def environment_refusal(cls, device: torch.device) -> str | None:
         if device.type != "cuda" or not torch.cuda.is_available():
             return "allreduce backend 'cuda_p2p' needs CUDA"
         try:
             import cupy  # noqa: F401
         except ImportError:
             return "allreduce backend 'cuda_p2p' needs cupy: pip install tpserve[gpu]"
-        if world_size > MAX_RANKS:
-            return f"allreduce backend 'cuda_p2p' supports at most {MAX_RANKS} ranks, got {world_size}"
-        if torch.cuda.device_count() < world_size:
+        return None
+
+    @classmethod
+    def topology_refusal(cls, topo: Topology) -> str | None:
+        reason = super().topology_refusal(topo)
+        if reason is not None:
+            return reason
+        if topo.world_size > MAX_RANKS:
+            return f"allreduce backend 'cuda_p2p' supports at most {MAX_RANKS} ranks, got {topo.world_size}"
+        if topo.gpus_visible < topo.local_world_size:
             return (f"allreduce backend 'cuda_p2p' needs one visible GPU per rank on one host "
-                    f"({torch.cuda.device_count()} visible, {world_size} ranks)")
-        if torch.cuda.get_device_capability(device) < (7, 0):
+                    f"({topo.gpus_visible} visible, {topo.local_world_size} ranks)")
+        if topo.capability is not None and topo.capability < (7, 0):
             return "allreduce backend 'cuda_p2p' needs compute capability 7.0+ (acquire/release)"
         # The usual launch maps local rank i to GPU i; the real devices are checked again at setup.
-        return _peer_access_problem(list(range(world_size)))
+        pair = topo.missing_pair(topo.p2p)
+        if pair is not None:
+            return f"allreduce backend 'cuda_p2p': P2P not available between GPU {pair[0]} and {pair[1]}"
+        return None
 
     def __init__(
         self, group: dist.ProcessGroup | None, device: torch.device, config: CudaP2PConfig | None = None
@@ -99,8 +123,15 @@ class CudaP2PAllReduce(AllReduce):
         self._streams: dict[int, Any] = {}
         self._kernels: dict[str, Any] = {}
         self._views: dict[torch.dtype, torch.Tensor] = {}
+        # The host-mapped give-up word (pinned memory: kernels reach it at the same address
+        # under unified addressing) and a numpy view of it, read without any CUDA call.
+        self._host_error = torch.zeros(4, dtype=torch.int32, pin_memory=True)
+        self._error_word = self._host_error.numpy()
+        self._timeout_ns = int(self.config.self_test_timeout_s * 1e9)
         with torch.cuda.device(self._dev):
             self._setup()
+            self._self_test()
+        self._timeout_ns = int(self.config.timeout_s * 1e9)
 
     # ----------------------------------------------------------------- setup
     def _setup(self) -> None:
@@ -111,8 +142,12 @@ class CudaP2PAllReduce(AllReduce):
         rt.memset(self._base, 0, SIGNAL_BYTES)
         rt.deviceSynchronize()
         sms = torch.cuda.get_device_properties(self._dev).multi_processor_count
-        entries = self._exchange((self._dev, sms, rt.ipcGetMemHandle(self._base)))
-        problem = _peer_access_problem([dev for dev, _, _ in entries])
+        mine = (self._dev, sms, rt.ipcGetMemHandle(self._base))
+        found = self._exchange((node_key(), mine))
+        entries = [entry for _, entry in found]
+        nodes = len({key for key, _ in found})
+        problem = (f"allreduce backend 'cuda_p2p' works within one node, but its ranks span {nodes} "
+                   "nodes" if nodes > 1 else _peer_access_problem([dev for dev, _, _ in entries]))
         if problem is not None:
             self.close()
             raise BackendUnavailable(problem)
@@ -128,6 +163,7 @@ class CudaP2PAllReduce(AllReduce):
                 bases.append(self._peers[-1])
         zeros = [0] * (MAX_RANKS - self.world_size)
         table = [b + SIGNAL_BYTES for b in bases] + zeros + bases + zeros
+        table.append(self._host_error.data_ptr())
         self._table = cupy.asarray(numpy.array(table, dtype=numpy.uint64))
         self._compile()
         mem = cupy.cuda.UnownedMemory(self._base + SIGNAL_BYTES, self.config.buffer_bytes, self, self._dev)
@@ -136,7 +172,31 @@ class CudaP2PAllReduce(AllReduce):
         rt.deviceSynchronize()
         self._barrier()  # every flag area is zeroed before anyone's first kernel writes to it
 
-    def _exchange(self, mine: tuple[int, int, bytes]) -> list[tuple[int, int, bytes]]:
+    def _self_test(self) -> None:
+        """One small allreduce under a short limit, checked on every rank: refuses P2P that is
+        advertised but does not deliver, before any request depends on it."""
+        expected = float(self.world_size * (self.world_size + 1) // 2)
+        problem = None
+        try:
+            x = torch.full((4096,), float(self.rank + 1), device=self.device)
+            self._all_reduce(x)
+            torch.cuda.synchronize(self._dev)
+            self.check()
+            if not bool((x == expected).all()):
+                problem = f"rank {self.rank} got a wrong sum from the self-test allreduce"
+        except RuntimeError as exc:
+            problem = one_line(exc)
+        problems = self._exchange(problem)
+        failed = [p for p in problems if p is not None]
+        if failed:
+            self.close()
+            raise BackendUnavailable("allreduce backend 'cuda_p2p' failed its set-up self-test: "
+                                     + "; ".join(failed))
+
+    def check(self) -> None:
+        raise_if_failed(self._error_word, self.rank, self._timeout_ns / 1e9)
+
+    def _exchange(self, mine: Any) -> list[Any]:
         if self.world_size == 1:
             return [mine]
         entries: list[Any] = [None] * self.world_size
@@ -173,6 +233,7 @@ class CudaP2PAllReduce(AllReduce):
     def _all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
         if tensor.dtype not in _KIND:
             raise TypeError(f"cuda_p2p allreduce supports {tuple(_KIND)}, got {tensor.dtype}")
+        self.check()  # an earlier call gave up: refuse rather than return garbage
         # Results are written straight into the caller's memory when it allows 16-byte stores.
         direct = tensor.is_contiguous() and tensor.data_ptr() % 16 == 0
         work = tensor if direct else torch.empty_like(tensor, memory_format=torch.contiguous_format)
@@ -200,7 +261,7 @@ class CudaP2PAllReduce(AllReduce):
         blocks = max(1, min(self._max_blocks, -(-packs // THREADS)))
         kernel = self._kernels[f"{'two_shot' if two_shot else 'one_shot'}<{_KIND[chunk.dtype]}>"]
         args = (self._table, numpy.uint64(chunk.data_ptr()), numpy.uint64(n),
-                numpy.int32(self.rank), numpy.int32(self.world_size))
+                numpy.int32(self.rank), numpy.int32(self.world_size), numpy.uint64(self._timeout_ns))
         kernel((blocks,), (THREADS,), args)
 
     # ----------------------------------------------------------------- teardown

@@ -1,17 +1,16 @@
 """Setting up one ``shm`` segment across the ranks of a process group.
 
 Owns the construction-time protocol, the only part of the backend that talks through the
-process group: check that all ranks share a host, adopt rank 0's configuration, let rank 0
-create the segment file under a fresh random name, attach everywhere, then unlink the name as
-soon as everyone is attached (so a crash at any later point leaves nothing in /dev/shm).
+process group: check that all ranks share a node, adopt rank 0's configuration, let rank 0
+create the segment (an anonymous memfd, see ``shm_segment``), attach everywhere through its
+descriptor, then let rank 0 drop the descriptor once everyone is attached. The segment never
+has a name, so a rank dying at any point leaves nothing behind in /dev/shm.
 """
 
 from __future__ import annotations
 
 import mmap
 import os
-import secrets
-import socket
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Generic, TypeVar
@@ -20,13 +19,13 @@ import torch.distributed as dist
 
 from comm_backends.base import BackendUnavailable
 from comm_backends.shm_segment import (
-    NAME_PREFIX,
-    SHM_DIR,
     ProcId,
-    create_segment_file,
-    map_segment_file,
-    remove_stale_segments,
+    SegmentRef,
+    create_segment,
+    map_segment,
+    pause_point,
 )
+from comm_backends.topology import node_key
 
 ConfigT = TypeVar("ConfigT")
 
@@ -38,15 +37,6 @@ class Attached(Generic[ConfigT]):
     mapping: mmap.mmap
     peers: dict[int, ProcId]  # rank -> process, to notice peers that die
     config: ConfigT  # rank 0's, identical on every rank
-
-
-def host_id() -> str:
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as f:
-            boot = f.read().strip()
-    except OSError:
-        boot = "?"
-    return f"{socket.gethostname()}/{boot}"
 
 
 def setup_group(group: dist.ProcessGroup | None) -> dist.ProcessGroup | None:
@@ -64,23 +54,26 @@ def attach(
 ) -> Attached[ConfigT]:
     """Collective: every rank of ``group`` maps the same fresh segment of ``size_of(config)``."""
     infos: list[tuple[str, ProcId, ConfigT] | None] = [None] * world
-    dist.all_gather_object(infos, (host_id(), ProcId.current(), config), group=group)
-    hosts = sorted({info[0] for info in infos if info is not None})
-    if len(hosts) > 1:
-        raise BackendUnavailable(f"allreduce backend 'shm' needs all ranks on one host, got {hosts}")
+    dist.all_gather_object(infos, (node_key(), ProcId.current(), config), group=group)
+    nodes = sorted({info[0] for info in infos if info is not None})
+    if len(nodes) > 1:
+        raise BackendUnavailable(f"allreduce backend 'shm' works within one node, but its {world} "
+                                 f"ranks span {len(nodes)} nodes: use --allreduce hier or gloo")
     # Rank 0's knobs win so every rank picks the same algorithm and layout for every message.
     config = infos[0][2]
-    size = size_of(config)
-    path = _share_path(group, rank, size)
-    mapping, error = None, None
+    fd, ref = _share(group, rank, size_of(config))
     try:
-        mapping = map_segment_file(path, size)
-    except (OSError, RuntimeError) as exc:
-        error = f"rank {rank}: {exc}"
-    errors: list[str | None] = [None] * world
-    dist.all_gather_object(errors, error, group=group)  # doubles as "everyone is attached"
-    if rank == 0:
-        os.unlink(path)  # mappings stay valid; no name is left to leak, even on SIGKILL
+        pause_point("shm-attach", rank)
+        mapping, error = None, None
+        try:
+            mapping = map_segment(ref)
+        except (OSError, RuntimeError) as exc:
+            error = f"rank {rank}: {exc}"
+        errors: list[str | None] = [None] * world
+        dist.all_gather_object(errors, error, group=group)  # doubles as "everyone is attached"
+    finally:
+        if fd is not None:
+            os.close(fd)  # the mappings keep the memory; it goes with the last of them
     failed = [e for e in errors if e is not None]
     if failed:
         if mapping is not None:
@@ -90,21 +83,23 @@ def attach(
     return Attached(mapping, peers, config)
 
 
-def _share_path(group: dist.ProcessGroup | None, rank: int, size: int) -> str:
-    """Rank 0 creates the segment file; every rank learns its path (or rank 0's error)."""
-    msg: list[tuple[str, str | None]] = [("", None)]
+def _share(group: dist.ProcessGroup | None, rank: int, size: int) -> tuple[int | None, SegmentRef]:
+    """Rank 0 creates the segment; every rank learns its ref (or rank 0's error)."""
+    fd, msg = None, [(None, None)]
     if rank == 0:
-        # pid + random token: unique across jobs, groups and servers sharing this host.
-        path = os.path.join(SHM_DIR, f"{NAME_PREFIX}{os.getpid()}_{secrets.token_hex(8)}")
         try:
-            remove_stale_segments()
-            create_segment_file(path, size)
-            msg = [(path, None)]
+            fd, ref = create_segment(size, "tpserve-shm")
+            msg = [(ref, None)]
         except (OSError, RuntimeError) as exc:
-            msg = [(path, str(exc))]
+            msg = [(None, str(exc))]
     src = 0 if group is None else dist.get_global_rank(group, 0)
-    dist.broadcast_object_list(msg, src=src, group=group)
-    path, error = msg[0]
+    try:
+        dist.broadcast_object_list(msg, src=src, group=group)
+    except BaseException:
+        if fd is not None:
+            os.close(fd)
+        raise
+    ref, error = msg[0]
     if error is not None:
-        raise RuntimeError(f"shm allreduce: rank 0 could not create {path}: {error}")
-    return path
+        raise RuntimeError(f"shm allreduce: rank 0 could not create the segment: {error}")
+    return fd, ref

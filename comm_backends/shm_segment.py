@@ -1,9 +1,14 @@
-"""The file behind an ``shm`` segment, and the process identities of the ranks using it.
+"""The memory behind an ``shm`` segment, and the process identities of the ranks using it.
 
-Owns creating a private (0600, O_EXCL) file in /dev/shm with its memory reserved up front,
-mapping it, sweeping files that crashed creators left behind, and telling whether a peer
-process is still alive (pid plus start time, so a reused pid or a zombie does not pass).
-Removing the name once every rank has attached is the rendezvous' job (``shm_rendezvous``).
+Owns creating a segment (an anonymous ``memfd``: mode 0600, its memory reserved up front),
+letting peer processes of the same node map it, and telling whether a peer process is still
+alive (pid plus start time, so a reused pid or a zombie does not pass).
+
+A memfd has no name in /dev/shm at any moment, so no rank dying at any point of start-up or
+serving can leave a file behind: the memory goes when the last process holding it exits.
+Peers reach the creator's descriptor through ``/proc/<pid>/fd/<fd>`` (same user, same node,
+same pid namespace: what torchrun's ranks of one node are); the inode is checked on open, so
+a reused descriptor number cannot attach anyone to the wrong memory.
 """
 
 from __future__ import annotations
@@ -11,14 +16,31 @@ from __future__ import annotations
 import errno
 import mmap
 import os
+import sys
 import time
 from dataclasses import dataclass
 
-SHM_DIR = "/dev/shm"
-NAME_PREFIX = "tpserve_shm_"
-# A segment file still carrying a name after this long can only come from a creator that died
-# between create and unlink (the live window is a few collective round trips).
-_STALE_AGE_S = 60.0
+# Set to "<where>:<rank>" (e.g. "control-attach:1") to make that rank stop at that point of
+# start-up: tests kill it there to prove nothing leaks whichever rank dies when.
+PAUSE_ENV = "TPSERVE_PAUSE_AT"
+
+
+def pause_point(where: str, rank: int) -> None:
+    if os.environ.get(PAUSE_ENV) == f"{where}:{rank}":
+        print(f"tpserve: rank {rank} (pid {os.getpid()}) paused at {where} ({PAUSE_ENV})",
+              file=sys.stderr, flush=True)
+        while True:
+            time.sleep(60)
+
+
+@dataclass(frozen=True)
+class SegmentRef:
+    """How a peer process of this node finds a segment: owner pid, descriptor and inode."""
+
+    pid: int
+    fd: int
+    inode: int
+    size: int
 
 
 @dataclass(frozen=True)
@@ -64,61 +86,42 @@ def proc_alive(proc: ProcId) -> bool:
     return state is not None and state[0] not in ("Z", "X") and state[1] == proc.start_time
 
 
-def remove_stale_segments(directory: str = SHM_DIR) -> None:
-    """Unlink our own segment files left by creators that died before unlinking them."""
-    try:
-        names = [n for n in os.listdir(directory) if n.startswith(NAME_PREFIX)]
-    except OSError:
-        return
-    now = time.time()
-    for name in names:
-        path = os.path.join(directory, name)
-        try:
-            pid = int(name[len(NAME_PREFIX) :].split("_", 1)[0])
-            st = os.stat(path)
-        except (ValueError, OSError):
-            continue
-        if st.st_uid != os.getuid() or now - st.st_mtime < _STALE_AGE_S:
-            continue
-        if not proc_alive(ProcId(pid, proc_start_time(pid))):
-            try:
-                os.unlink(path)
-            except OSError:
-                pass
+def create_segment(size: int, label: str) -> tuple[int, SegmentRef]:
+    """A fresh segment of ``size`` bytes: (descriptor to keep open until peers attached, ref).
 
-
-def create_segment_file(path: str, size: int) -> None:
-    """Create ``path`` (mode 0600, must not exist) and reserve ``size`` bytes of tmpfs.
-
-    Reserving up front turns "/dev/shm is too small" into an error here instead of a SIGBUS
-    on first touch in the middle of an allreduce.
+    Reserving the memory up front turns "not enough shared memory" into an error here instead
+    of a SIGBUS on first touch in the middle of an allreduce.
     """
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    fd = os.memfd_create(label, os.MFD_CLOEXEC)
     try:
+        os.fchmod(fd, 0o600)
         os.ftruncate(fd, size)
         try:
             os.posix_fallocate(fd, 0, size)
         except OSError as exc:
             if exc.errno in (errno.ENOSPC, errno.ENOMEM):
                 raise RuntimeError(
-                    f"shared memory: cannot reserve {size >> 20} MiB in {SHM_DIR} ({exc.strerror}); "
-                    "enlarge it (docker --shm-size) or lower TPSERVE_SHM_BUFFER_BYTES"
+                    f"shared memory: cannot reserve {size >> 20} MiB ({exc.strerror}); raise the "
+                    "memory limit or lower TPSERVE_SHM_BUFFER_BYTES"
                 ) from exc
             if exc.errno not in (errno.EINVAL, errno.EOPNOTSUPP):
                 raise
     except BaseException:
         os.close(fd)
-        os.unlink(path)
         raise
-    os.close(fd)
+    return fd, SegmentRef(os.getpid(), fd, os.fstat(fd).st_ino, size)
 
 
-def map_segment_file(path: str, size: int) -> mmap.mmap:
-    fd = os.open(path, os.O_RDWR)
+def map_segment(ref: SegmentRef) -> mmap.mmap:
+    """Map ``ref``'s memory (the owner maps its own descriptor; peers go through /proc)."""
+    if ref.pid == os.getpid():
+        return mmap.mmap(ref.fd, ref.size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+    fd = os.open(f"/proc/{ref.pid}/fd/{ref.fd}", os.O_RDWR | os.O_CLOEXEC)
     try:
-        actual = os.fstat(fd).st_size
-        if actual != size:
-            raise RuntimeError(f"shared memory: segment {path} has {actual} bytes, expected {size}")
-        return mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        st = os.fstat(fd)
+        if st.st_ino != ref.inode or st.st_size != ref.size:
+            raise RuntimeError(f"shared memory: descriptor {ref.fd} of pid {ref.pid} is not the "
+                               f"segment ({st.st_size} bytes, expected {ref.size})")
+        return mmap.mmap(fd, ref.size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
     finally:
         os.close(fd)  # the mapping keeps the memory alive on its own

@@ -6,7 +6,14 @@ NVLS-multicast (``multimem``) kernels. Every CUDA-only import happens inside fun
 module loads on CPU-only machines.
 
 torch's kernels sum in the input dtype and in the same rank order on every rank (one-shot), or
-let one owner reduce each slice (two-shot), so results are bit-identical across ranks.
+let one owner reduce each slice (two-shot), so results are bit-identical across ranks. They
+take fp32 and bf16 only, so fp16 is staged through the fp32 buffer (exact widening, one
+rounding back: twice the bytes, which is why ``auto`` prefers other backends for fp16).
+
+Hardware: every GPU pair needs P2P and native peer atomics (the signal pads spin on
+system-scope atomics; over PCIe without them they may never complete), checked from the
+measured topology before any set-up. Set-up itself fails as ``BackendUnavailable`` on every
+rank at once (ranks agree after each collective step), so start-up reports it in one line.
 """
 
 from __future__ import annotations
@@ -19,11 +26,15 @@ from typing import ClassVar
 import torch
 import torch.distributed as dist
 
-from comm_backends.base import AllReduce
+from comm_backends.base import AllReduce, BackendUnavailable, one_line, spans_nodes_reason
+from comm_backends.topology import Topology
 
 _OPS = ("one_shot_all_reduce_out", "two_shot_all_reduce_", "multimem_one_shot_all_reduce_out",
         "multimem_all_reduce_")
 _MiB = 1 << 20
+# The dtype each input dtype is staged (and reduced) in.
+_STAGED = {torch.float32: torch.float32, torch.bfloat16: torch.bfloat16,
+           torch.float16: torch.float32}
 
 
 @dataclass(frozen=True)
@@ -65,18 +76,31 @@ class SymmMemAllReduce(AllReduce):
 
     name: ClassVar[str] = "symm_mem"
     devices: ClassVar[tuple[str, ...]] = ("cuda",)
-    dtypes: ClassVar[tuple[torch.dtype, ...]] = (torch.float32, torch.bfloat16)  # torch's kernels
     capture_safe: ClassVar[bool] = True
+    single_node: ClassVar[bool] = True
 
     @classmethod
-    def unavailable_reason(cls, device: torch.device, world_size: int) -> str | None:
+    def environment_refusal(cls, device: torch.device) -> str | None:
         if device.type != "cuda" or not torch.cuda.is_available():
             return "allreduce backend 'symm_mem' needs CUDA"
-        reason = _missing_support()
-        if reason is not None:
-            return reason
-        if torch.cuda.get_device_capability(device) < (8, 0):
+        return _missing_support()
+
+    @classmethod
+    def topology_refusal(cls, topo: Topology) -> str | None:
+        if topo.device != "cuda":
+            return "allreduce backend 'symm_mem' needs CUDA"
+        # One NVLink domain across nodes (multi-node NVLink) is still one symmetric-memory domain.
+        if topo.nodes > 1 and not topo.multinode_nvlink:
+            return spans_nodes_reason(cls.name, topo)
+        if topo.capability is not None and topo.capability < (8, 0):
             return "allreduce backend 'symm_mem' needs compute capability 8.0 or newer"
+        pair = topo.missing_pair(topo.p2p)
+        if pair is not None:
+            return f"allreduce backend 'symm_mem': P2P not available between GPU {pair[0]} and {pair[1]}"
+        pair = topo.missing_pair(topo.atomics)
+        if pair is not None:
+            return (f"allreduce backend 'symm_mem': no native peer atomics between GPU {pair[0]} "
+                    f"and {pair[1]} (PCIe?): its signal pads could hang")
         return None
 
     def __init__(
@@ -89,25 +113,44 @@ class SymmMemAllReduce(AllReduce):
         self._multimem = False
         self._group_name = ""
         if dist.is_initialized():  # also at world 1, so a one-GPU machine can exercise the kernels
-            self._setup()
+            group = self.group if self.group is not None else dist.group.WORLD
+            self._group_name = group.group_name
+            self._agree(self._allocate)
+            self._agree(self._rendezvous)
 
-    def _setup(self) -> None:
+    def _agree(self, step: object) -> None:
+        """Run one set-up step; if it failed on any rank, every rank raises BackendUnavailable."""
+        try:
+            step()  # type: ignore[operator]
+            problem = None
+        except (RuntimeError, OSError, ValueError) as exc:
+            problem = one_line(exc)
+        problems: list[str | None] = [None] * self.world_size
+        dist.all_gather_object(problems, problem, group=self.group)
+        failed = [f"rank {r}: {p}" for r, p in enumerate(problems) if p is not None]
+        if failed:
+            self.close()
+            raise BackendUnavailable("allreduce backend 'symm_mem' failed to set up: " + "; ".join(failed))
+
+    def _allocate(self) -> None:
         import torch.distributed._symmetric_memory as symm
 
-        group = self.group if self.group is not None else dist.group.WORLD
-        self._group_name = group.group_name
         enabled = getattr(symm, "is_symm_mem_enabled_for_group", None)
         if enabled is not None and not enabled(self._group_name):
             with warnings.catch_warnings():  # needed before torch 2.8, a deprecated no-op after
                 warnings.simplefilter("ignore", FutureWarning)
                 symm.enable_symm_mem_for_group(self._group_name)
-        multicast = True
-        for dtype in self.dtypes:
+        for dtype in sorted(set(_STAGED.values()), key=str):
             numel = self.config.buffer_bytes // dtype.itemsize
-            buf = symm.empty(numel, dtype=dtype, device=self.device)
-            handle = symm.rendezvous(buf, self._group_name)  # collective, once: capture-safe
-            self._bufs[dtype] = buf
+            self._bufs[dtype] = symm.empty(numel, dtype=dtype, device=self.device)
             self._scratch[dtype] = torch.empty(numel, dtype=dtype, device=self.device)
+
+    def _rendezvous(self) -> None:
+        import torch.distributed._symmetric_memory as symm
+
+        multicast = True
+        for dtype in sorted(self._bufs, key=str):  # the same order on every rank
+            handle = symm.rendezvous(self._bufs[dtype], self._group_name)  # once: capture-safe
             support = getattr(handle, "has_multicast_support", False)
             multicast &= bool(support() if callable(support) else support)
         ops = torch.ops.symm_mem
@@ -116,12 +159,13 @@ class SymmMemAllReduce(AllReduce):
         )
 
     def _all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
-        if tensor.dtype not in self._bufs:
+        staged = _STAGED.get(tensor.dtype)
+        if staged not in self._bufs:
             raise TypeError(f"symm_mem allreduce supports {self.dtypes}, got {tensor.dtype}")
         work = tensor if tensor.is_contiguous() else tensor.contiguous()
         flat = work.view(-1)
-        step = self._bufs[tensor.dtype].numel()
-        two_shot = flat.numel() * flat.element_size() >= self.config.two_shot_bytes
+        step = self._bufs[staged].numel()
+        two_shot = flat.numel() * staged.itemsize >= self.config.two_shot_bytes
         for start in range(0, flat.numel(), step):
             self._reduce_chunk(flat[start : start + step], two_shot)
         if work is not tensor:
@@ -130,13 +174,13 @@ class SymmMemAllReduce(AllReduce):
 
     def _reduce_chunk(self, chunk: torch.Tensor, two_shot: bool) -> None:
         ops, name = torch.ops.symm_mem, self._group_name
-        n = chunk.numel()
+        n, kind = chunk.numel(), _STAGED[chunk.dtype]
         # torch's kernels need 4-byte-aligned sizes and vectorise at 16: pad the staged length;
         # the padding sums stale bytes that are never copied out.
-        pad = 16 // chunk.element_size()
+        pad = 16 // kind.itemsize
         m = -(-n // pad) * pad
-        staged = self._bufs[chunk.dtype][:m]
-        staged[:n].copy_(chunk)
+        staged = self._bufs[kind][:m]
+        staged[:n].copy_(chunk)  # widens fp16 to fp32
         if two_shot:
             if self._multimem:
                 ops.multimem_all_reduce_(staged, "sum", name)
@@ -144,8 +188,8 @@ class SymmMemAllReduce(AllReduce):
                 ops.two_shot_all_reduce_(staged, "sum", name)
             chunk.copy_(staged[:n])
             return
-        direct = m == n and chunk.data_ptr() % 16 == 0
-        out = chunk if direct else self._scratch[chunk.dtype][:m]
+        direct = m == n and kind == chunk.dtype and chunk.data_ptr() % 16 == 0
+        out = chunk if direct else self._scratch[kind][:m]
         if self._multimem:
             ops.multimem_one_shot_all_reduce_out(staged, "sum", name, out)
         else:

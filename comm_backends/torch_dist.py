@@ -46,8 +46,10 @@ class NcclAllReduce(_TorchDistAllReduce):
     capture_safe: ClassVar[bool] = True
 
     @classmethod
-    def unavailable_reason(cls, device: torch.device, world_size: int) -> str | None:
-        reason = super().unavailable_reason(device, world_size)
+    def environment_refusal(cls, device: torch.device) -> str | None:
+        reason = super().environment_refusal(device)
+        if reason is None and device.type == "cuda" and not torch.cuda.is_available():
+            reason = "allreduce backend 'nccl' needs CUDA"
         if reason is None and not dist.is_nccl_available():
             reason = "allreduce backend 'nccl' needs a torch build with NCCL"
         return reason

@@ -1,53 +1,97 @@
 #!/usr/bin/env bash
-# One-time check of the CUDA allreduce backends (cuda_p2p, symm_mem, nccl) on a GPU machine:
-# runs tests/test_comm_cuda.py, the CUDA-graph tests and decode table (one GPU is enough),
-# then a short benchmark on all visible GPUs (at least 2 needed
-# for the benchmark; one GPU still runs the world-of-one kernel and CUDA-graph tests).
+# The GPU gate: every CUDA path, each step under `timeout -s KILL` (a timeout is a failure),
+# one JSON summary, non-zero exit unless every step passed (or was skipped and not required).
 #
-# Needs an environment that already has torch with CUDA, pytest, and cupy for cuda_p2p
-# (pip install 'tpserve[gpu,test,bench]'). Installs nothing.
+#   launch/gpu_check.sh [SUMMARY.json]        # default: $OUT/gpu_check.json, else ./gpu_check_out/
+#   REQUIRE=cuda_p2p,symm_mem launch/gpu_check.sh   # a refusal or skip of these fails the gate
+#   STEP_TIMEOUT=900 PYTHON=.venv/bin/python launch/gpu_check.sh
 #
-#   launch/gpu_check.sh                 # results in ./gpu_check_out/
-#   OUT_DIR=/tmp/x NPROC=4 launch/gpu_check.sh
-set -euo pipefail
+# Steps: versions and the P2P / atomics / NVLink matrix (and auto's choice); the comm tests at
+# every available GPU count; the `-m gpu` tests; the demo model served on one GPU with a sampled
+# and a greedy request; the decode table; with 2+ GPUs a TP=N server per backend and
+# comm_backends.bench with correctness. Without a GPU it prints one line and exits 1.
+# Needs torch with CUDA, pytest, cupy for cuda_p2p (pip install 'tpserve[gpu,test,bench]').
+set -uo pipefail
 
-cd "$(dirname "$0")/.."
+SUMMARY=${1:-${OUT:+$OUT/gpu_check.json}}
+SUMMARY=$(realpath -m "${SUMMARY:-gpu_check_out/gpu_check.json}")  # before cd: relative to the caller
+cd "$(dirname "$0")/.." || exit 1
 PY=${PYTHON:-python}
-OUT_DIR=${OUT_DIR:-gpu_check_out}
-mkdir -p "$OUT_DIR"
+STEP_TIMEOUT=${STEP_TIMEOUT:-600}
+export REQUIRE=${REQUIRE:-}
 
-"$PY" - <<'PYEOF'
-import importlib.util
-import torch
-print(f"torch {torch.__version__}, CUDA {torch.version.cuda}, GPUs {torch.cuda.device_count()}")
-for i in range(torch.cuda.device_count()):
-    print(f"  GPU {i}: {torch.cuda.get_device_name(i)} cc {torch.cuda.get_device_capability(i)}")
-print("cupy:", "yes" if importlib.util.find_spec("cupy") else "NO (cuda_p2p will be skipped)")
-if not torch.cuda.is_available():
-    raise SystemExit("no CUDA device visible: nothing to check")
-PYEOF
-
-echo "== tests/test_comm_cuda.py"
-"$PY" -m pytest tests/test_comm_cuda.py -q -rs 2>&1 | tee "$OUT_DIR/pytest.txt"
-
-# CUDA graphs (issue 7): replay == eager per bucket, with speculation, through each
-# capture-safe backend at world size 1; then decode tok/s with/without graphs vs HBM limit.
-echo "== tests/test_cuda_graphs.py"
-"$PY" -m pytest tests/test_cuda_graphs.py -q -rs 2>&1 | tee "$OUT_DIR/pytest_graphs.txt"
-echo "== decode table (~1B random Llama, batch 1/8/32, eager vs CUDA graphs)"
-"$PY" -m launch.gpu_decode_table --json "$OUT_DIR/decode_table.json" 2>&1 \
-    | grep -v "^INFO" | tee "$OUT_DIR/decode_table.txt"
-
-NGPU=$("$PY" -c "import torch; print(torch.cuda.device_count())")
-NPROC=${NPROC:-$(( NGPU > 8 ? 8 : NGPU ))}
-if [ "$NPROC" -lt 2 ]; then
-    echo "== benchmark skipped: it needs at least 2 GPUs (found $NGPU)"
-    exit 0
+NGPU=$("$PY" -c "import torch; print(torch.cuda.device_count())" 2>/dev/null)
+if [ -z "$NGPU" ] || [ "$NGPU" -lt 1 ]; then
+    echo "gpu_check: no CUDA GPU visible (torch.cuda.device_count() = ${NGPU:-unavailable}); nothing was checked"
+    exit 1
 fi
 
-echo "== benchmark on $NPROC GPUs"
-"$PY" -m torch.distributed.run --standalone --nproc-per-node "$NPROC" -m comm_backends.bench \
-    --backends nccl,cuda_p2p,symm_mem --sizes 4K,8K,14K,64K,256K,1M,8M --decode-sizes \
-    --dtype bf16 --iters 200 --max-seconds 2 \
-    --json "$OUT_DIR/comm_bench.json" --plot "$OUT_DIR/comm_bench.png" 2>&1 | tee "$OUT_DIR/bench.txt"
-echo "== results in $OUT_DIR/"
+LOGS="$(dirname "$SUMMARY")/gpu_check_logs"
+mkdir -p "$LOGS"
+STEPS="$LOGS/steps.jsonl"
+: > "$STEPS"
+
+# step NAME LIMIT_S CMD...: run CMD under `timeout -s KILL LIMIT_S`, log it, record the outcome.
+# Exit 0 = pass, 3 = skipped (a refusal of something not in REQUIRE), 137 = timeout, else fail.
+step() {
+    local name=$1 limit=$2
+    shift 2
+    local log="$LOGS/$name.log" start rc status
+    start=$(date +%s%N)
+    echo "== $name (limit ${limit}s)"
+    timeout -s KILL "$limit" "$@" > "$log" 2>&1
+    rc=$?
+    case $rc in
+        0) status=pass ;;
+        3) status=skipped ;;
+        137) status=timeout ;;
+        *) status=fail ;;
+    esac
+    local seconds
+    seconds=$(awk -v a="$start" -v b="$(date +%s%N)" 'BEGIN { printf "%.1f", (b - a) / 1e9 }')
+    printf '{"step": "%s", "status": "%s", "rc": %d, "seconds": %s, "log": "%s"}\n' \
+        "$name" "$status" "$rc" "$seconds" "$log" >> "$STEPS"
+    tail -n 4 "$log"
+    echo "-- $name: $status (${seconds}s)"
+}
+
+# serve_check NAME RANKS BACKEND: the demo model on CUDA, one sampled + one greedy request.
+serve_check() {
+    step "$1" "$STEP_TIMEOUT" "$PY" -m launch.gpu_serve_check --device cuda --ranks "$2" \
+        --allreduce "$3" --json "$LOGS/$1.json" --log "$LOGS/$1.server.log"
+}
+
+step versions_topology 120 "$PY" -m comm_backends.topology_report --json "$LOGS/topology.json"
+# Every GPU count from 2 to all of them, each backend separately; REQUIRE turns skips into failures.
+step comm_tests "$STEP_TIMEOUT" "$PY" -m pytest -q -rs tests/test_comm_cuda.py \
+    tests/test_cuda_kernel_source.py tests/test_cuda_p2p_flag.py
+step gpu_marked_tests "$STEP_TIMEOUT" "$PY" -m pytest -q -rs -m gpu tests
+serve_check serve_tp1 1 auto
+step decode_table "$STEP_TIMEOUT" "$PY" -m launch.gpu_decode_table --json "$LOGS/decode_table.json"
+
+if [ "$NGPU" -ge 2 ]; then
+    NPROC=$(( NGPU > 8 ? 8 : NGPU ))
+    for backend in auto nccl cuda_p2p symm_mem hier; do
+        serve_check "serve_tp${NPROC}_${backend}" "$NPROC" "$backend"
+    done
+    optional=$(echo nccl,cuda_p2p,symm_mem | tr ',' '\n' | grep -vxF -f <(echo "$REQUIRE" | tr ',' '\n') | paste -sd, -)
+    step comm_bench "$STEP_TIMEOUT" "$PY" -m torch.distributed.run --standalone --nproc-per-node "$NPROC" \
+        -m comm_backends.bench --backends nccl,cuda_p2p,symm_mem --optional "$optional" \
+        --sizes 4K,8K,14K,64K,256K,1M,8M --decode-sizes --dtype bf16 --iters 200 --max-seconds 2 \
+        --json "$LOGS/comm_bench.json" --plot "$LOGS/comm_bench.png"
+fi
+
+"$PY" - "$STEPS" "$LOGS/topology.json" "$SUMMARY" "$NGPU" <<'PYEOF'
+import json, os, sys
+steps_path, topo_path, summary_path, ngpu = sys.argv[1:5]
+steps = [json.loads(line) for line in open(steps_path) if line.strip()]
+topology = json.load(open(topo_path)) if os.path.exists(topo_path) else None
+ok = all(s["status"] in ("pass", "skipped") for s in steps)
+summary = {"ok": ok, "gpus": int(ngpu), "require": [r for r in os.environ["REQUIRE"].split(",") if r],
+           "steps": steps, "topology": topology}
+with open(summary_path, "w") as f:
+    json.dump(summary, f, indent=2)
+bad = [s["step"] + ": " + s["status"] for s in steps if s["status"] not in ("pass", "skipped")]
+print(f"gpu_check: {'PASS' if ok else 'FAIL'}; summary in {summary_path}" + ("" if ok else "; " + ", ".join(bad)))
+sys.exit(0 if ok else 1)
+PYEOF

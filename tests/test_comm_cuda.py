@@ -1,33 +1,58 @@
-"""CUDA allreduce backends (cuda_p2p, symm_mem, nccl): clean refusal without CUDA, and on GPUs
-correctness, bit-identity across ranks and CUDA-graph capture.
+"""CUDA allreduce backends (nccl, cuda_p2p, symm_mem): clean refusal without CUDA; on GPUs,
+correctness, bit-identity across ranks, all-gather and CUDA-graph replay at every GPU count.
 
-On a CPU-only machine only the refusal tests run; the rest skip with a reason. One GPU is
-enough for the world-of-one kernel checks; the multi-rank checks need two or more.
+A backend the topology or environment refuses is a visible skip with its reason, never a
+pass; with ``REQUIRE=cuda_p2p,symm_mem,...`` a skip of a listed backend is a failure. A backend
+that is not refused is built directly, so any set-up error (a RuntimeError, a failed
+self-test) fails the test instead of hiding as a refusal. On a CPU-only machine only the
+refusal tests run.
 """
 
 from __future__ import annotations
 
 import importlib
 import importlib.util
+import os
 import sys
+import time
+from functools import cache
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
+import numpy
 import pytest
 import torch
 import torch.distributed as dist
 
 import comm_backends
 from comm_backends.base import AllReduce, BackendUnavailable
+from comm_backends.topology import Placement
 from tests.test_comm_shm import _assert_same_everywhere, _check_case, run_world
 
 HAS_CUDA = torch.cuda.is_available()
 HAS_CUPY = importlib.util.find_spec("cupy") is not None
 GPUS = torch.cuda.device_count() if HAS_CUDA else 0
-needs_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
-needs_cupy = pytest.mark.skipif(not (HAS_CUDA and HAS_CUPY), reason="needs a CUDA GPU and cupy")
-needs_2_gpus = pytest.mark.skipif(GPUS < 2, reason="needs two or more CUDA GPUs")
+REQUIRED = frozenset(n.strip() for n in os.environ.get("REQUIRE", "").split(",") if n.strip())
+WORLDS = list(range(2, max(GPUS, 2) + 1))  # every GPU count this machine has, no cap
+NAMES = ("nccl", "cuda_p2p", "symm_mem")
 SIZES = ((1,), (7,), (8,), (4095,), (4096,), (3, 1001), (131_073,), (1_000_000,))
+needs_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+
+
+def refused(name: str, reason: str) -> NoReturn:
+    """A backend that cannot run here: a failure if required, else a skip that says why."""
+    if name in REQUIRED:
+        pytest.fail(f"{name} is required (REQUIRE) but refused: {reason}")
+    pytest.skip(f"{name} refused: {reason}")
+
+
+def build_or_refuse(name: str, world: int = 1, **kwargs: Any) -> AllReduce:
+    """The backend on GPU 0 at world 1; a refusal skips (or fails if required)."""
+    topo = comm_backends.measure(torch.device("cuda", 0), Placement(0, world, 0, world, 0))
+    reason = comm_backends.refusal(name, topo)
+    if reason is not None:
+        refused(name, reason)
+    return comm_backends.backend_class(name)(None, torch.device("cuda", 0), **kwargs)
 
 
 # ---------------------------------------------------------------------------- any machine
@@ -39,7 +64,7 @@ def test_cuda_modules_import_without_cupy_or_cuda(module: str) -> None:
 
 
 @pytest.mark.skipif(HAS_CUDA, reason="checks the CPU-only refusal")
-@pytest.mark.parametrize("name", ["cuda_p2p", "symm_mem", "nccl"])
+@pytest.mark.parametrize("name", NAMES)
 @pytest.mark.parametrize("device", ["cpu", "cuda"])
 def test_cuda_backends_refuse_cleanly_without_cuda(name: str, device: str) -> None:
     with pytest.raises(BackendUnavailable) as info:
@@ -52,9 +77,9 @@ def test_cuda_backends_refuse_cleanly_without_cuda(name: str, device: str) -> No
 @pytest.mark.skipif(HAS_CUDA, reason="checks the CPU-only refusal")
 def test_refusal_reasons_say_what_is_missing() -> None:
     cuda = torch.device("cuda")
-    for name in ("cuda_p2p", "symm_mem"):
+    for name in NAMES:
         assert comm_backends.unavailable_reason(name, cuda, 2).endswith("needs CUDA")
-    with pytest.raises(BackendUnavailable, match="no allreduce backend available for cuda"):
+    with pytest.raises(BackendUnavailable, match="no allreduce backend for cuda"):
         comm_backends.resolve_auto(cuda, 2)
 
 
@@ -62,6 +87,8 @@ def test_refusal_reasons_say_what_is_missing() -> None:
 def test_cuda_p2p_names_the_missing_cupy() -> None:
     reason = comm_backends.unavailable_reason("cuda_p2p", torch.device("cuda", 0), 1)
     assert reason is not None and "pip install tpserve[gpu]" in reason
+    if "cuda_p2p" in REQUIRED:
+        pytest.fail(f"cuda_p2p is required (REQUIRE) but refused: {reason}")
 
 
 # ---------------------------------------------------------------------------- one GPU
@@ -70,28 +97,26 @@ def _reduce_world_of_one(backend: AllReduce, x: torch.Tensor) -> torch.Tensor:
     return backend._all_reduce(x)
 
 
-@needs_cupy
+@needs_cuda
 @pytest.mark.parametrize("two_shot", [False, True])
 def test_cuda_p2p_world_of_one_is_exact(two_shot: bool) -> None:
-    from comm_backends.cuda_p2p import CudaP2PAllReduce, CudaP2PConfig
+    from comm_backends.cuda_p2p import CudaP2PConfig
 
-    cfg = CudaP2PConfig(buffer_bytes=64 << 10, two_shot_bytes=0 if two_shot else 1 << 40)
-    backend = CudaP2PAllReduce(None, torch.device("cuda", 0), cfg)
+    config = CudaP2PConfig(buffer_bytes=64 << 10, two_shot_bytes=0 if two_shot else 1 << 40)
+    backend = build_or_refuse("cuda_p2p", config=config)
     gen = torch.Generator(device="cuda").manual_seed(0)
     for dtype in (torch.float32, torch.bfloat16, torch.float16):
         for shape in SIZES:
             x = torch.randn(shape, generator=gen, device="cuda").to(dtype)
-            assert torch.equal(_reduce_world_of_one(backend, x.clone()), x)
+            assert torch.equal(_reduce_world_of_one(backend, x.clone()), x), (dtype, shape)
         odd = torch.randn(1001, device="cuda").to(dtype)[1:]  # not 16-byte aligned: staged out
         assert torch.equal(_reduce_world_of_one(backend, odd.clone()), odd)
     backend.close()
 
 
-@needs_cupy
+@needs_cuda
 def test_cuda_p2p_replays_inside_a_cuda_graph() -> None:
-    from comm_backends.cuda_p2p import CudaP2PAllReduce
-
-    backend = CudaP2PAllReduce(None, torch.device("cuda", 0))
+    backend = build_or_refuse("cuda_p2p")
     assert backend.capture_safe
     static = torch.zeros(4096, device="cuda", dtype=torch.bfloat16)
     _reduce_world_of_one(backend, static)  # warm-up outside capture
@@ -107,17 +132,48 @@ def test_cuda_p2p_replays_inside_a_cuda_graph() -> None:
     backend.close()
 
 
+@needs_cuda
+def test_cuda_p2p_gives_up_on_a_silent_peer_and_says_so() -> None:
+    """A "rank 1" that never arrives: the kernel stops after its limit, raises the flag, and
+    every later kernel on this rank returns at once instead of waiting again."""
+    from comm_backends.cuda_p2p_flag import CollectiveTimeout
+    from comm_backends.cuda_p2p_kernels import MAX_RANKS, SIGNAL_BYTES, THREADS
+
+    backend = build_or_refuse("cuda_p2p")
+    import cupy
+
+    ghost = cupy.zeros(SIGNAL_BYTES + (64 << 10), dtype=cupy.uint8)  # nobody runs rank 1
+    own, other, pad = backend._base, ghost.data.ptr, [0] * (MAX_RANKS - 2)
+    table = cupy.asarray(numpy.array([own + SIGNAL_BYTES, other + SIGNAL_BYTES, *pad, own, other,
+                                      *pad, backend._host_error.data_ptr()], dtype=numpy.uint64))
+    out = torch.zeros(1024, device="cuda")
+
+    def launch(limit_ns: int) -> float:
+        start = time.monotonic()
+        backend._kernels["one_shot<F32>"]((1,), (THREADS,), (
+            table, numpy.uint64(out.data_ptr()), numpy.uint64(1024), numpy.int32(0),
+            numpy.int32(2), numpy.uint64(limit_ns)))
+        torch.cuda.synchronize()
+        return time.monotonic() - start
+
+    took = launch(300_000_000)
+    assert 0.3 <= took < 10, took
+    with pytest.raises(CollectiveTimeout, match=r"for rank 1 \(start of a call, block 0\)"):
+        backend.check()
+    with pytest.raises(CollectiveTimeout):
+        _reduce_world_of_one(backend, torch.ones(8, device="cuda"))  # refuses at once
+    assert launch(5_000_000_000) < 1.0  # sticky on the device too: no second wait
+    backend.close()
+
+
 def _scenario_symm_mem_world_of_one(rank: int, world: int) -> str:
-    from comm_backends.symm_mem import SymmMemAllReduce, SymmMemConfig
+    from comm_backends.symm_mem import SymmMemConfig
 
     torch.cuda.set_device(0)
-    try:
-        backends = [SymmMemAllReduce(None, torch.device("cuda", 0), SymmMemConfig(two_shot_bytes=t))
-                    for t in (1 << 40, 0)]
-    except (BackendUnavailable, RuntimeError) as exc:
-        return f"cannot set up: {exc}"
-    for backend in backends:
-        for dtype in backend.dtypes:
+    for two_shot in (1 << 40, 0):
+        backend = comm_backends.backend_class("symm_mem")(
+            None, torch.device("cuda", 0), SymmMemConfig(two_shot_bytes=two_shot))
+        for dtype in backend.dtypes:  # fp16 included: staged through fp32
             for shape in SIZES:
                 x = torch.randn(shape, device="cuda").to(dtype)
                 assert torch.equal(_reduce_world_of_one(backend, x.clone()), x), (dtype, shape)
@@ -126,12 +182,12 @@ def _scenario_symm_mem_world_of_one(rank: int, world: int) -> str:
 
 
 @needs_cuda
-def test_symm_mem_world_of_one_is_exact(tmp_path: Path) -> None:
-    if comm_backends.unavailable_reason("symm_mem", torch.device("cuda", 0), 1):
-        pytest.skip(comm_backends.unavailable_reason("symm_mem", torch.device("cuda", 0), 1))
-    outcome = run_world(1, _scenario_symm_mem_world_of_one, tmp_path)[0]
-    if outcome != "ok":
-        pytest.skip(f"torch symmetric memory on one rank: {outcome}")
+def test_symm_mem_world_of_one_in_a_group(tmp_path: Path) -> None:
+    topo = comm_backends.measure(torch.device("cuda", 0), Placement(0, 1, 0, 1, 0))
+    reason = comm_backends.refusal("symm_mem", topo)
+    if reason is not None:
+        refused("symm_mem", reason)
+    assert run_world(1, _scenario_symm_mem_world_of_one, tmp_path)[0] == "ok"
 
 
 # ---------------------------------------------------------------------------- many GPUs
@@ -161,34 +217,53 @@ def _check_graph(backend: AllReduce) -> None:
         assert bool((static == expected).all()), backend.name
 
 
-def _scenario_cuda(rank: int, world: int, names: tuple[str, ...]) -> dict[str, Any]:
+def _check_gather(backend: AllReduce) -> None:
+    mine = torch.full((4, 33), float(backend.rank), device=backend.device)
+    out = backend.all_gather(mine).cpu()
+    expected = torch.cat([torch.full((4, 33), float(r)) for r in range(backend.world_size)], -1)
+    assert torch.equal(out, expected), backend.name
+
+
+def _scenario_cuda(rank: int, world: int) -> dict[str, Any]:
     torch.cuda.set_device(rank)
     device = torch.device("cuda", rank)
     nccl_group = dist.new_group(backend="nccl")  # the default group here is gloo
+    topo = comm_backends.measure(device, Placement(rank, world, rank, world, 0))
     report: dict[str, Any] = {}
-    for name in names:
-        try:
-            backend = comm_backends.create(name, nccl_group if name == "nccl" else None, device)
-        except BackendUnavailable as exc:
-            report[name] = f"unavailable: {exc}"
+    for name in NAMES:
+        reason = comm_backends.refusal(name, topo)
+        if reason is not None:
+            report[name] = ("refused", reason)
             continue
+        backend = comm_backends.backend_class(name)(nccl_group, device)  # set-up errors fail
         proxy = _GpuProxy(backend)
         digests = [_check_case(proxy, shape, dtype, 100 * i + 7)
                    for i, shape in enumerate(SIZES) for dtype in backend.dtypes]
         _assert_same_everywhere(digests)
         _check_graph(backend)
+        _check_gather(backend)
+        backend.check()
         dist.barrier()
         backend.close()
-        report[name] = len(digests)
+        report[name] = ("ok", len(digests))
     return report
 
 
-@needs_2_gpus
-def test_cuda_backends_match_reference_across_gpus(tmp_path: Path) -> None:
-    world = min(GPUS, 4)
-    results = run_world(world, _scenario_cuda, tmp_path, names=("nccl", "cuda_p2p", "symm_mem"))
-    assert isinstance(results[0]["nccl"], int), results[0]["nccl"]
-    for name in ("cuda_p2p", "symm_mem"):
-        outcome = results[0][name]
-        # Either it ran every case, or it refused for a stated missing requirement.
-        assert isinstance(outcome, int) or "needs" in outcome or "P2P not available" in outcome, outcome
+@pytest.fixture(scope="module")
+def world_results(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    @cache
+    def results(world: int) -> dict[str, Any]:
+        return run_world(world, _scenario_cuda, tmp_path_factory.mktemp(f"world{world}"))[0]
+
+    return results
+
+
+@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("world", WORLDS)
+def test_cuda_backends_match_reference_across_gpus(world: int, name: str, world_results: Any) -> None:
+    if GPUS < world:
+        pytest.skip(f"needs {world} CUDA GPUs, found {GPUS}")
+    status, detail = world_results(world)[name]
+    if status == "refused":
+        refused(name, detail)
+    assert status == "ok" and detail > 0

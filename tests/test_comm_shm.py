@@ -12,6 +12,7 @@ import multiprocessing as mp
 import os
 import signal
 import subprocess
+import sys
 import time
 import traceback
 from collections.abc import Callable
@@ -26,12 +27,7 @@ import torch.distributed as dist
 import comm_backends
 from comm_backends.base import AllReduce, BackendUnavailable
 from comm_backends.shm import ShmAllReduce, ShmConfig
-from comm_backends.shm_segment import (
-    NAME_PREFIX,
-    SHM_DIR,
-    create_segment_file,
-    remove_stale_segments,
-)
+from comm_backends.shm_segment import SegmentRef, create_segment, map_segment
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # Small buffer: 8 KiB halves, so chunking starts at 8 KiB; two-shot from 2 KiB.
@@ -123,7 +119,8 @@ def _assert_same_everywhere(digests: list[str], group: dist.ProcessGroup | None 
 
 
 def _segments_of(pid: int) -> list[str]:
-    return [n for n in os.listdir(SHM_DIR) if n.startswith(f"{NAME_PREFIX}{pid}_")]
+    """Anything in /dev/shm that names ``pid`` (segments are nameless memfds: always none)."""
+    return [n for n in os.listdir("/dev/shm") if str(pid) in n]
 
 
 # ---------------------------------------------------------------------------- scenarios
@@ -328,21 +325,33 @@ def test_shm_refuses_cuda_device() -> None:
     assert "shm" in comm_backends.available(torch.device("cpu"), 2)
 
 
-def test_segment_file_is_private_and_stale_ones_are_swept(tmp_path: Path) -> None:
-    path = tmp_path / f"{NAME_PREFIX}{os.getpid()}_mine"
-    create_segment_file(str(path), 8192)
-    assert path.stat().st_mode & 0o777 == 0o600 and path.stat().st_size == 8192
-    with pytest.raises(FileExistsError):
-        create_segment_file(str(path), 8192)  # O_EXCL: never adopt someone else's file
-    dead = subprocess.Popen(["true"])
-    dead.wait()  # reaped: its pid names no process now
-    stale = tmp_path / f"{NAME_PREFIX}{dead.pid}_gone"
-    stale.touch()
-    old = time.time() - 3600
-    for p in (path, stale):
-        os.utime(p, (old, old))
-    remove_stale_segments(str(tmp_path))
-    assert path.exists() and not stale.exists()
+def _map_in_child(ref: SegmentRef, script: str) -> subprocess.CompletedProcess:
+    code = ("from comm_backends.shm_segment import SegmentRef, map_segment\n"
+            f"ref = SegmentRef({ref.pid}, {ref.fd}, {ref.inode}, {ref.size})\n" + script)
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          env={**os.environ, "PYTHONPATH": os.getcwd()}, timeout=60)
+
+
+def test_segment_is_private_nameless_and_checked_on_open() -> None:
+    before = set(os.listdir("/dev/shm"))
+    fd, ref = create_segment(8192, "tpserve-test")
+    try:
+        st = os.fstat(fd)
+        assert st.st_mode & 0o777 == 0o600 and st.st_size == 8192
+        assert set(os.listdir("/dev/shm")) == before  # no name exists, not even briefly
+        mine = map_segment(ref)
+        mine[:5] = b"hello"
+        # Another process of this node reaches it through /proc and shares the memory.
+        out = _map_in_child(ref, "m = map_segment(ref); print(bytes(m[:5]).decode()); m[5:6] = b'!'")
+        assert out.stdout.strip() == "hello", out.stderr
+        assert mine[5:6] == b"!"
+        # A descriptor that is not the segment (another inode) is refused, not mapped.
+        out = _map_in_child(ref, "import dataclasses\n"
+                                 "map_segment(dataclasses.replace(ref, inode=ref.inode + 1))")
+        assert "is not the segment" in out.stderr, out.stderr
+        mine.close()
+    finally:
+        os.close(fd)
 
 
 def test_config_from_env(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -1,4 +1,9 @@
-"""Process groups, rank/device selection, and the switchable allreduce used by the model."""
+"""Process groups, rank/device selection, and the switchable allreduce used by the model.
+
+A node is a torchrun agent (``GROUP_RANK``), so ranks know the node boundary even when two
+"nodes" share a machine; ``create_comm`` measures the topology on every rank, takes the union
+of what any rank refuses, and resolves ``auto`` identically everywhere, logging its reason once.
+"""
 
 from __future__ import annotations
 
@@ -6,12 +11,15 @@ import logging
 import os
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 import comm_backends
-from comm_backends import AllReduce
+from comm_backends import AllReduce, BackendUnavailable, Topology
+from comm_backends.topology import Placement
+from tpserve.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
@@ -23,19 +31,27 @@ class RankInfo:
     local_rank: int
     local_world_size: int
     device: torch.device
+    node_rank: int = 0  # torchrun's GROUP_RANK
+
+    @property
+    def placement(self) -> Placement:
+        return Placement(self.rank, self.world_size, self.local_rank, self.local_world_size,
+                         self.node_rank)
+
+    @property
+    def nodes(self) -> int:
+        return self.placement.nodes
 
 
 def rank_info(device_flag: str) -> RankInfo:
-    """Rank/world from torchrun's environment (TP=1 without it) and the device to use."""
-    rank = int(os.environ.get("RANK", 0))
-    world = int(os.environ.get("WORLD_SIZE", 1))
-    local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    """Rank/world/node from torchrun's environment (TP=1 without it) and the device to use."""
+    where = Placement.from_env()
     kind = device_flag if device_flag != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     if kind == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("error: --device cuda requested but CUDA is not available")
-    device = torch.device(f"cuda:{local_rank}") if kind == "cuda" else torch.device("cpu")
-    return RankInfo(rank, world, local_rank, local_world, device)
+        raise ConfigError("--device cuda requested but CUDA is not available", flag="--device")
+    device = torch.device(f"cuda:{where.local_rank}") if kind == "cuda" else torch.device("cpu")
+    return RankInfo(where.rank, where.world_size, where.local_rank, where.local_world_size,
+                    device, where.node_rank)
 
 
 def cpu_threads_per_rank(local_world: int, override: int | None, cores: int | None = None) -> int:
@@ -98,6 +114,12 @@ class CommSwitch:
     def stats(self) -> dict[str, object]:
         return {name: b.stats.snapshot() for name, b in self.backends.items()}
 
+    def check(self) -> None:
+        """Raise if a backend's asynchronous collective failed (e.g. a cuda_p2p kernel gave up
+        waiting for a peer). Costs a memory read per backend: call once per step."""
+        for backend in self.backends.values():
+            backend.check()
+
     def reset_stats(self) -> None:
         for backend in self.backends.values():
             backend.stats.reset()
@@ -114,13 +136,41 @@ def parse_backend_list(flag: str) -> list[str]:
     return names
 
 
-def create_comm(flag: str, info: RankInfo) -> CommSwitch:
-    """Initialise every backend named in ``flag`` (comma list, first active)."""
-    backends: dict[str, AllReduce] = {}
-    for name in parse_backend_list(flag):
-        resolved = comm_backends.resolve_auto(info.device, info.world_size) if name == "auto" else name
-        if resolved not in backends:
-            backends[resolved] = comm_backends.create(resolved, None, info.device)
-    first = parse_backend_list(flag)[0]
-    active = comm_backends.resolve_auto(info.device, info.world_size) if first == "auto" else first
-    return CommSwitch(backends, active)
+def agreed_view(info: RankInfo, dtype: torch.dtype | None) -> tuple[Topology, dict[str, str]]:
+    """Rank 0's topology and every backend refused on *any* rank: the same on every rank."""
+    topo = comm_backends.measure(info.device, info.placement, dtype)
+    refused = comm_backends.refusals(topo)
+    if info.world_size == 1 or not dist.is_initialized():
+        return topo, refused
+    views: list[Any] = [None] * info.world_size
+    dist.all_gather_object(views, (topo, refused))
+    union: dict[str, str] = {}
+    for rank, (_, theirs) in enumerate(views):
+        for name, reason in theirs.items():
+            union.setdefault(name, reason if rank == info.rank else f"rank {rank}: {reason}")
+    return views[0][0], union
+
+
+def create_comm(flag: str, info: RankInfo, dtype: torch.dtype | None = None) -> CommSwitch:
+    """Initialise every backend named in ``flag`` (comma list, first active).
+
+    ``dtype`` (the model's, when known) lets ``auto`` weigh what each backend does with it.
+    A backend that cannot run, or fails to set up, is a ConfigError naming ``--allreduce``.
+    """
+    names = parse_backend_list(flag)
+    topo, refused = agreed_view(info, dtype)
+    try:
+        if "auto" in names:
+            choice = comm_backends.choose(topo, refused)
+            if info.rank == 0:
+                log.info("allreduce auto -> %s: %s", choice.name, choice.reason)
+            names = [choice.name if n == "auto" else n for n in names]
+        backends: dict[str, AllReduce] = {}
+        for name in names:
+            if name in refused:
+                raise BackendUnavailable(refused[name])
+            if name not in backends:
+                backends[name] = comm_backends.create(name, None, info.device, topo)
+    except BackendUnavailable as exc:
+        raise ConfigError(str(exc), flag="--allreduce") from None
+    return CommSwitch(backends, names[0])

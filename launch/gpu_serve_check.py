@@ -1,0 +1,168 @@
+"""Start a real tpserve server, send one sampled and one greedy /generate request, stop it.
+
+    python -m launch.gpu_serve_check --ranks 4 --allreduce cuda_p2p [--require cuda_p2p] [--json F]
+
+Used by launch/gpu_check.sh once per backend (``--device cuda``, the built-in demo model);
+runs on CPU too (``--device cpu``), which is how CI tests it. Each request is sent twice:
+the sampled one (temperature 1, a fixed seed) and the greedy one must each repeat exactly.
+
+Exit status: 0 passed; 1 failed (including a refusal of a backend in ``--require``, default
+env REQUIRE); 3 the server refused the backend at start-up (one line, exit 2) and it was not
+required: the gate records that as skipped, not passed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+REFUSED = 3
+PROMPT = "def fib(n):"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def command(ranks: int, port: int, ns: argparse.Namespace) -> list[str]:
+    flags = ["-m", "tpserve", "--device", ns.device, "--port", str(port), "--allreduce",
+             ns.allreduce, *ns.extra]
+    if ranks == 1:
+        return [sys.executable, *flags]
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+            str(ranks), *flags]
+
+
+def wait_ready(url: str, proc: subprocess.Popen, deadline: float) -> bool:
+    """True once /health is 200; False if the server exited first."""
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            return False
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return True
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise TimeoutError(f"server not healthy within the limit at {url}")
+
+
+def generate(url: str, temperature: float) -> dict[str, Any]:
+    params: dict[str, Any] = {"max_new_tokens": 32, "temperature": temperature,
+                              "ignore_eos": True}
+    if temperature > 0:
+        params["seed"] = 7
+    start = time.perf_counter()
+    reply = httpx.post(url + "/generate", json={"text": PROMPT, "sampling_params": params},
+                       timeout=300)
+    reply.raise_for_status()
+    body = reply.json()
+    return {"output_ids": body["output_ids"], "seconds": time.perf_counter() - start}
+
+
+def exercise(url: str) -> dict[str, Any]:
+    """Each request twice; failures are listed, not raised, so the JSON shows all of them."""
+    result: dict[str, Any] = {"problems": []}
+    for name, temperature in (("sampled", 1.0), ("greedy", 0.0)):
+        first, second = generate(url, temperature), generate(url, temperature)
+        result[name] = first
+        if len(first["output_ids"]) != 32:
+            result["problems"].append(f"{name}: {len(first['output_ids'])} tokens, expected 32")
+        if first["output_ids"] != second["output_ids"]:
+            result["problems"].append(f"{name}: the same request gave a different output")
+    info = httpx.get(url + "/get_server_info", timeout=30).json()
+    result["active"] = info.get("active")
+    return result
+
+
+def descendants(pid: int) -> list[int]:
+    found, todo = [], [pid]
+    while todo:
+        for task in Path(f"/proc/{todo.pop()}/task").glob("*"):
+            try:
+                children = [int(c) for c in (task / "children").read_text().split()]
+            except OSError:
+                continue
+            found += children
+            todo += children
+    return found
+
+
+def stop(proc: subprocess.Popen) -> int:
+    """SIGTERM (torchrun forwards it to every rank), then SIGKILL to the whole tree.
+
+    The server stays in this process's group, so the gate's ``timeout -s KILL`` takes it
+    down with this script if the script itself runs out of time.
+    """
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            for pid in [*descendants(proc.pid), proc.pid]:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            proc.wait()
+    return proc.returncode
+
+
+def run(ns: argparse.Namespace, log: Path) -> tuple[int, dict[str, Any]]:
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    with open(log, "w") as out:
+        proc = subprocess.Popen(command(ns.ranks, port, ns), stdout=out, stderr=subprocess.STDOUT,
+                                env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    try:
+        ready = wait_ready(url, proc, time.monotonic() + ns.timeout)
+        if not ready:
+            refusal = [ln for ln in log.read_text().splitlines() if ln.startswith("error: ")]
+            if proc.returncode not in (0, None) and refusal:
+                required = ns.allreduce in ns.require
+                return (1 if required else REFUSED), {"refused": refusal[-1], "required": required}
+            return 1, {"error": f"server exited with {proc.returncode}", "log": log.read_text()[-3000:]}
+        result = exercise(url)
+    finally:
+        code = stop(proc)
+    result["exit_code"] = code
+    return (1 if result["problems"] else 0), result
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m launch.gpu_serve_check", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--ranks", type=int, default=1)
+    p.add_argument("--allreduce", default="auto")
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--require", default=os.environ.get("REQUIRE", ""))
+    p.add_argument("--timeout", type=float, default=300, help="seconds to become healthy")
+    p.add_argument("--json", default=None)
+    p.add_argument("--log", default=None, help="server log (default: a temporary file)")
+    p.add_argument("extra", nargs="*", help="more tpserve flags (after --)")
+    ns = p.parse_args(argv)
+    ns.require = {n.strip() for n in ns.require.split(",") if n.strip()}
+    log = Path(ns.log) if ns.log else Path(tempfile.mkdtemp(prefix="tpserve-check-")) / "server.log"
+    code, result = run(ns, log)
+    result.update(ranks=ns.ranks, allreduce=ns.allreduce, device=ns.device, status=code)
+    print(json.dumps(result))
+    if ns.json:
+        Path(ns.json).write_text(json.dumps(result, indent=2))
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())
