@@ -44,6 +44,9 @@ class ServerArgs:
     cuda_graph_bs: tuple[int, ...] | None = None  # explicit buckets (default: SGLang-like)
     compile: bool = False  # CPU: torch.compile'd decode phases
     compile_mode: str = "default"
+    admin_api_key: str | None = None  # default: --api-key
+    allow_unauthenticated: bool = False  # serve beyond loopback without a key
+    profile_dir: str | None = None  # /admin/profile traces (default: a private per-user dir)
     extra: dict[str, object] = field(default_factory=dict)
 
 
@@ -82,6 +85,11 @@ FLAG_HELP = {
     "cuda_graph_bs": "explicit batch-size buckets, e.g. 1 2 4 8 (default: 1,2,4,8,12,16,24,...)",
     "compile": "CPU: torch.compile the decode / draft / verify forwards (bucketed like graphs)",
     "compile_mode": "torch.compile mode: default | max-autotune-no-cudagraphs",
+    "admin_api_key": "key for /admin/* (also env TPSERVE_ADMIN_API_KEY; default: --api-key)",
+    "allow_unauthenticated": "allow --host beyond loopback with no --api-key (anyone who can "
+                             "reach the port can generate; /admin too without an admin key)",
+    "profile_dir": "directory for /admin/profile traces, created 0700 (default: "
+                   "$XDG_RUNTIME_DIR/tpserve-traces, else ~/.cache/tpserve/traces)",
 }
 
 
