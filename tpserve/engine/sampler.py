@@ -170,7 +170,9 @@ def _draw(
         tokens[idx] = torch.multinomial(probs[idx], 1, generator=fallback).squeeze(1)
     for i, gen in enumerate(generators):
         if gen is not None:
-            tokens[i] = torch.multinomial(probs[i], 1, generator=gen)[0]
+            # A generator draws only on its own device (requests get CPU generators).
+            row = probs[i] if gen.device == probs.device else probs[i].to(gen.device)
+            tokens[i] = torch.multinomial(row, 1, generator=gen)[0]
     return tokens
 
 

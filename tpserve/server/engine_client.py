@@ -26,6 +26,7 @@ from tpserve.engine.request import Request, RequestOutput, new_request
 from tpserve.engine.sampling_params import SamplingParams
 from tpserve.server.client_errors import BadRequest, EngineUnavailable, Overloaded
 from tpserve.server.labels import LabelRegistry
+from tpserve.server.mailbox import EventMailbox
 from tpserve.server.prompts import PromptEncoder
 
 # Stop strings with more characters than this build their automaton (up to 64 x 256 nodes,
@@ -154,7 +155,7 @@ class EngineClient:
         started, previous = time.perf_counter(), None
         last: RequestOutput | None = None
         try:
-            events: asyncio.Queue[RequestOutput] = asyncio.Queue()
+            events = EventMailbox()
             req = await self._new_request(rid, ids, params, events)
             self.engine.submit(Command("add", req))
             while True:
@@ -175,7 +176,7 @@ class EngineClient:
                               len(last.output_ids) if last else 0)
 
     async def _new_request(self, rid: str, ids: list[int], params: SamplingParams,
-                           events: asyncio.Queue[RequestOutput]) -> Request:
+                           events: EventMailbox) -> Request:
         loop = asyncio.get_running_loop()
         args = (rid, ids, params, self.tokenizer, self.eos_ids,
                 self.limits.server_seed + next(self._counter),
@@ -225,10 +226,9 @@ class EngineClient:
             raise EngineUnavailable(f"engine did not answer within {timeout:.0f}s") from None
 
 
-def _deliver(loop: asyncio.AbstractEventLoop, events: asyncio.Queue[RequestOutput],
-             out: RequestOutput) -> None:
+def _deliver(loop: asyncio.AbstractEventLoop, events: EventMailbox, out: RequestOutput) -> None:
     """Hand an event to the loop; after shutdown the loop is closed and nobody is listening."""
     try:
-        loop.call_soon_threadsafe(events.put_nowait, out)
+        loop.call_soon_threadsafe(events.put, out)
     except RuntimeError:
         pass

@@ -42,8 +42,13 @@ async def collect_all(client: EngineClient, items: list[Item]) -> list[RequestOu
 
 async def merged(client: EngineClient, items: list[Item]
                  ) -> AsyncIterator[tuple[int, RequestOutput]]:
-    """(index, event) from every request as they arrive, until all have finished."""
-    queue: asyncio.Queue[tuple[int, RequestOutput | BaseException | None]] = asyncio.Queue()
+    """(index, event) from every request as they arrive, until all have finished.
+
+    The queue is bounded so that a slow reader holds the pumps back, and each request's
+    events then merge in its mailbox instead of piling up here.
+    """
+    queue: asyncio.Queue[tuple[int, RequestOutput | BaseException | None]] = asyncio.Queue(
+        maxsize=len(items))
 
     async def pump(index: int, item: Item) -> None:
         try:
