@@ -282,12 +282,13 @@ def test_openai_lone_surrogate_and_deep_nesting(server: str, path: str) -> None:
 
 
 def test_top_k_beyond_vocabulary_is_the_whole_vocabulary(server: str) -> None:
-    """It used to overflow the sampler and take every rank down with a concurrent request."""
+    """It used to overflow the sampler's float32 column (an int past float's range) and take
+    every rank down, a concurrent request with them."""
     params = {"max_new_tokens": 8, "temperature": 0.8, "seed": 3, "ignore_eos": True}
     with ThreadPoolExecutor(2) as pool:
         normal = pool.submit(completion, server, True)
         huge = [httpx.post(server + "/generate", timeout=120, json={
-            "text": "import ", "sampling_params": {**params, "top_k": k}}) for k in (10**30, 2048)]
+            "text": "import ", "sampling_params": {**params, "top_k": k}}) for k in (HUGE, 2048)]
         assert normal.result()[0] == 200
     assert [r.status_code for r in huge] == [200, 200], huge[0].text[:300]
     assert huge[0].json()["output_ids"] == huge[1].json()["output_ids"]  # demo vocab: 2048

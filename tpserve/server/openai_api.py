@@ -47,6 +47,8 @@ from tpserve.server.streams import (
 OPENAI_BODIES = (CompletionRequest, ChatCompletionRequest)
 SSE_DOC = {"text/event-stream": {"schema": {"type": "string"},
                                  "example": "data: {...}\n\ndata: [DONE]\n\n"}}
+# Policy, far above real conversations; keeps a chat body's validation and template
+# rendering bounded before the rendered text's length can be checked.
 MAX_MESSAGES = 4096
 
 
