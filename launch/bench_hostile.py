@@ -3,16 +3,17 @@
     python -m launch.bench_hostile --url http://127.0.0.1:30000 --normal 4 --seconds 20 --rounds 2
     python -m launch.bench_hostile --launch "python -m tpserve --device cpu --port 30000"
 
-Alternates quiet windows (only the normal streaming clients) and hostile windows (the same
-clients plus one hostile client running every abuse below at once), ``--rounds`` times each,
-so slow drift on a shared machine hits both alike. The report: TTFT and inter-token latency
+Alternates quiet windows (the measured normal streaming clients plus one more, well-behaved
+client) and hostile windows (the same measured clients plus one hostile client going through
+the abuses below one after another), ``--rounds`` times each, so slow drift on a shared
+machine hits both alike. The report: TTFT and inter-token latency
 p50/p99 of the normal clients in each kind of window, the hostile/quiet ratio (target: p99
 within 1.5x), what the hostile client got back, and a JSON file.
 
 The hostile client: 64 stop strings of 256 characters per request (the limit) and 10,000
 (refused); bodies just under and over ``--max-request-bytes``; prompt text far beyond the
 context; 100,000 one-token prompts in one body; JSON nested 200,000 deep; huge numbers;
-streams read one event per second; requests dropped mid-generation (streaming and not);
+streams read two events a second, then abandoned; requests dropped mid-generation (streaming and not);
 rid squatting and aborts of labels it does not own.
 """
 
@@ -21,6 +22,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import multiprocessing
 import random
 import time
 from collections import Counter
@@ -83,9 +85,9 @@ async def slow_reader(client: httpx.AsyncClient, rng: random.Random) -> str:
     read = 0
     async with client.stream("POST", "/v1/completions", json=body) as r:
         async for _ in r.aiter_lines():
-            await asyncio.sleep(1.0)  # the server must not hold others back for this reader
+            await asyncio.sleep(0.5)  # the server must not hold others back for this reader
             read += 1
-            if read == 5:
+            if read == 4:
                 break  # and then leave without reading the rest
     return f"slow stream {r.status_code}"
 
@@ -113,32 +115,60 @@ async def squat_labels(client: httpx.AsyncClient, rng: random.Random) -> str:
     return f"abort {aborted.json().get('success')}, own rid {dup.status_code}"
 
 
+def abuses(cap: int) -> dict[str, Abuse]:
+    return {"stops": huge_stops, "bodies": lambda c, r: huge_bodies(c, r, cap),
+            "items": many_items, "slow": slow_reader, "drops": drop_midway,
+            "labels": squat_labels}
+
+
 async def hostile_client(url: str, headers: dict[str, str], deadline: float, cap: int,
-                         outcomes: Counter[str]) -> None:
-    abuses: list[Abuse] = [huge_stops, lambda c, r: huge_bodies(c, r, cap), many_items,
-                           slow_reader, drop_midway, squat_labels]
+                         names: list[str]) -> Counter[str]:
+    """One client, one abuse after another: the same share of the server as one normal
+    client would take, spent on nothing but abuse."""
+    outcomes: Counter[str] = Counter()
+    table, rng = abuses(cap), random.Random(0)
+    async with httpx.AsyncClient(base_url=url, headers=headers, timeout=120) as client:
+        for index in range(1 << 30):
+            if time.monotonic() >= deadline:
+                break
+            try:
+                outcomes[await table[names[index % len(names)]](client, rng)] += 1
+            except httpx.HTTPError as exc:
+                outcomes[f"client error {type(exc).__name__}"] += 1
+    return outcomes
 
-    async def loop(abuse: Abuse, seed: int) -> None:
-        rng = random.Random(seed)
-        async with httpx.AsyncClient(base_url=url, headers=headers, timeout=120) as client:
-            while time.monotonic() < deadline:
-                try:
-                    outcomes[await abuse(client, rng)] += 1
-                except httpx.HTTPError as exc:
-                    outcomes[f"client error {type(exc).__name__}"] += 1
 
-    await asyncio.gather(*(loop(a, i) for i, a in enumerate(abuses)))
+def hostile_process(url: str, headers: dict[str, str], seconds: float, cap: int,
+                    names: list[str], out: Any) -> None:
+    """Its own process: the hostile client's CPU time (building megabyte bodies) must not
+    delay the normal clients' event loop, which would show up as their latency."""
+    deadline = time.monotonic() + seconds
+    out.put(dict(asyncio.run(hostile_client(url, headers, deadline, cap, names))))
 
 
 async def window(args: argparse.Namespace, index: int, hostile: bool, tally: Tally,
                  outcomes: Counter[str]) -> None:
+    """The measured normal clients plus one more client: well-behaved in a quiet window (its
+    latencies are not counted), the hostile one in a hostile window. Both windows then carry
+    the same number of clients, and the difference is the hostility alone."""
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     deadline = time.monotonic() + args.seconds
     jobs = [normal_client(args.url, headers, 1000 * index + i, deadline, args.max_tokens, tally)
             for i in range(args.normal)]
+    proc, results = None, None
     if hostile:
-        jobs.append(hostile_client(args.url, headers, deadline, args.max_request_bytes, outcomes))
+        ctx = multiprocessing.get_context("spawn")
+        results = ctx.Queue()
+        proc = ctx.Process(target=hostile_process, args=(
+            args.url, headers, args.seconds, args.max_request_bytes, args.abuses, results))
+        proc.start()
+    else:
+        jobs.append(normal_client(args.url, headers, 1000 * index + 999, deadline,
+                                  args.max_tokens, Tally()))
     await asyncio.gather(*jobs)
+    if proc is not None and results is not None:
+        outcomes.update(await asyncio.to_thread(results.get))
+        proc.join()
 
 
 def summary(tally: Tally) -> dict[str, Any]:
@@ -188,9 +218,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=2, help="quiet + hostile window pairs")
     ap.add_argument("--max-tokens", type=int, default=48)
     ap.add_argument("--max-request-bytes", type=int, default=8 << 20, help="the server's cap")
+    ap.add_argument("--abuses", default="stops,bodies,items,slow,drops,labels",
+                    help="the abuses the hostile client cycles through")
     ap.add_argument("--api-key")
     ap.add_argument("--json", default="bench_hostile.json")
     args = ap.parse_args(argv)
+    args.abuses = args.abuses.split(",")
     args.url = args.url.rstrip("/")
     proc = start_server(args.launch, args.url) if args.launch else None
     try:

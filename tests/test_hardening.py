@@ -109,11 +109,12 @@ def test_health_answers_while_large_prompts_are_tokenized(server: str) -> None:
 
 
 @pytest.mark.parametrize("body,needle", [
-    (b'{"input_ids": [' + b",".join([b"[1]"] * 400_000) + b"]}", "'['"),
-    (b'{"text": ' + b"[" * 150_000 + b"]" * 150_000 + b"}", "'['"),
-    (b'{"text": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", "nested"),
+    (b'{"input_ids": [' + b",".join([b"[1]"] * 400_000) + b"]}", "arrays and objects"),
+    (b'{"text": ' + b"[" * 150_000 + b"]" * 150_000 + b"}", "arrays and objects"),
+    (b'{"text": ' + b"[" * 10_000 + b"]" * 10_000 + b"}", "nested"),
+    (b'{"text": [' + b",".join([b'"[[[["'] * 300_000) + b"]}", "JSON strings"),
     (b'{"text": "' + b"word " * 1_000_000 + b'"}', "characters"),
-], ids=["400k prompts", "150k deep", "100k deep", "5 MB of text"])
+], ids=["400k prompts", "150k deep", "10k deep", "300k strings of brackets", "5 MB of text"])
 def test_bodies_refused_before_parsing_or_tokenizing(server: str, body: bytes,
                                                      needle: str) -> None:
     r = httpx.post(server + "/generate", headers=USER, content=body, timeout=60)

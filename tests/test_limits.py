@@ -218,7 +218,7 @@ HOSTILE_BODIES = [
     *[(name, _sampling_body(p), needle) for name, p, needle in HOSTILE_GENERATE],
     ("lone surrogate in text", b'{"text": "ab\\ud800"}', "surrogate"),
     ("lone low surrogate in rid", b'{"text": "a", "rid": "\\udc00x"}', "surrogate"),
-    ("JSON nested 20k deep", nested(20_000), "nested"),
+    ("JSON nested 20k deep", nested(20_000), "arrays and objects"),
     ("JSON nested 2k deep", nested(2_000), "nested"),
     ("more prompts than the server admits", json.dumps({"text": ["a"] * 100}).encode(), "at most 6"),
     ("10k token-id prompts", json.dumps({"input_ids": [[1]] * 10_000}).encode(), "at most 6"),
