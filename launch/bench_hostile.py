@@ -13,8 +13,8 @@ within 1.5x), what the hostile client got back, and a JSON file.
 The hostile client: 64 stop strings of 256 characters per request (the limit) and 10,000
 (refused); bodies just under and over ``--max-request-bytes``; prompt text far beyond the
 context; 100,000 one-token prompts in one body; JSON nested 200,000 deep; huge numbers;
-streams read two events a second, then abandoned; requests dropped mid-generation (streaming and not);
-rid squatting and aborts of labels it does not own.
+streams read two events a second, then abandoned; requests dropped mid-generation
+(streaming and not); rid squatting and aborts of labels it does not own.
 """
 
 from __future__ import annotations
