@@ -65,9 +65,9 @@ def tpserve_engines(path: Path, batches: list[int], mode: str, threads: int,
                     freezing: bool) -> dict[str, OfflineEngine]:
     eager = tpserve_engine(path, batches, False, mode, threads)
     comp = tpserve_engine(path, batches, True, mode, threads)
-    runner = comp.setup.runner
+    runner = comp.built.runner
     if freezing:  # same buckets, weights pre-packed as constants
-        runner.static = CompiledExecutor([runner.decode_phase],
+        runner.static = CompiledExecutor([runner.decode_forward],
                                          dataclasses.replace(runner.static.cfg, freezing=True))
         runner.graph_info = runner.static.info
     return {"eager": eager, "compiled": comp}
@@ -162,8 +162,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     llama, why = (None, "skipped: --skip-llamacpp") if args.skip_llamacpp else load_llamacpp(path)
     runs = interleaved_rates(engines, llama, args.batches, args.tokens, args.rounds, args.threads)
     bw = read_bandwidth_gbs()
-    info = engines["compiled"].setup.runner.graph_info
-    nbytes = weight_bytes_per_token(engines["eager"].setup.runner.model)
+    info = engines["compiled"].built.runner.graph_info
+    nbytes = weight_bytes_per_token(engines["eager"].built.runner.model)
     best = runs["best"]
     res = {"batches": args.batches, "tokens": args.tokens, "threads": args.threads,
            "rounds": args.rounds, "eager_tok_s": best["eager"],

@@ -17,12 +17,9 @@ from pathlib import Path
 import torch
 
 from tpserve.args import ServerArgs
-from tpserve.engine.engine import Engine
-from tpserve.engine.kv_cache import PageAllocator
 from tpserve.engine.request import Request
 from tpserve.engine.sampling_params import SamplingParams
-from tpserve.engine.scheduler import Scheduler, SchedulerConfig
-from tpserve.serve import setup_rank
+from tpserve.offline import OfflineEngine
 
 SHAPE = dict(hidden=512, layers=8, heads=8, kv_heads=8, intermediate=1408, vocab=32000)
 
@@ -61,18 +58,15 @@ def weight_bytes_per_token(model: torch.nn.Module) -> int:
 
 
 def tpserve_decode(path: Path, batch: int, tokens: int) -> tuple[float, int]:
-    from tests.harness import make_request  # reuse the test request builder
-
     args = ServerArgs(model=str(path), dtype="bfloat16", allreduce="gloo", context_length=1024,
-                      kv_cache_gb=0.25)
-    setup = setup_rank(args)
-    sched = Scheduler(SchedulerConfig(args.page_size, 64, 512, 1024),
-                      PageAllocator(setup.runner.kv.cfg.num_pages))
-    engine = Engine(setup.runner, sched, None, 1024)
+                      kv_cache_gb=0.25, device="cpu", max_running_requests=64,
+                      cpu_threads=torch.get_num_threads())
+    offline = OfflineEngine(args)
+    engine, sched = offline.engine, offline.engine.scheduler
     params = SamplingParams(max_new_tokens=tokens, temperature=0, ignore_eos=True)
 
     def run(n: int) -> float:
-        reqs: list[Request] = [make_request(f"r{i}", [1, 2, 3, 4 + i], params) for i in range(n)]
+        reqs: list[Request] = [offline.request([1, 2, 3, 4 + i], params, {}) for i in range(n)]
         for r in reqs:
             sched.add(r)
         engine.step(sched.next_batch())  # prefill, not timed
@@ -82,7 +76,7 @@ def tpserve_decode(path: Path, batch: int, tokens: int) -> tuple[float, int]:
         return sum(len(r.output_ids) - 1 for r in reqs) / (time.perf_counter() - start)
 
     run(batch)  # warm-up
-    return run(batch), weight_bytes_per_token(setup.runner.model)
+    return run(batch), weight_bytes_per_token(offline.built.runner.model)
 
 
 def transformers_decode(path: Path, batch: int, tokens: int) -> float:

@@ -9,20 +9,17 @@ from __future__ import annotations
 import argparse
 import time
 
-import torch
-
-from tests.harness import build_engine, make_request
-from tpserve.demo import demo_target
-from tpserve.engine.engine import Engine
+from tpserve.args import ServerArgs
 from tpserve.engine.profiler import StepProfiler
 from tpserve.engine.sampling_params import SamplingParams
-from tpserve.layers.tp import TPContext
+from tpserve.offline import OfflineEngine
 
 
-def decode_rate(engine: Engine, profiling: bool, tokens: int) -> float:
+def decode_rate(offline: OfflineEngine, profiling: bool, tokens: int) -> float:
+    engine = offline.engine
     engine.profiler.enabled = profiling
-    req = make_request("r", [5, 6, 7], SamplingParams(max_new_tokens=tokens, temperature=0,
-                                                      ignore_eos=True))
+    req = offline.request([5, 6, 7], SamplingParams(max_new_tokens=tokens, temperature=0,
+                                                    ignore_eos=True), {})
     engine.scheduler.add(req)
     engine.step(engine.scheduler.next_batch())  # prefill, not timed
     start, steps = time.perf_counter(), 0
@@ -51,9 +48,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--tokens", type=int, default=300)
     args = ap.parse_args(argv)
-    torch.set_num_threads(1)
-    engine = build_engine(demo_target(), TPContext.single(), pages=400, page_size=16,
-                          dtype=torch.bfloat16, context_length=1024)
+    engine = OfflineEngine(ServerArgs(dtype="bfloat16", context_length=1024, page_size=16,
+                                      max_total_tokens=399 * 16, cpu_threads=1, device="cpu"))
     decode_rate(engine, False, 32)  # warm-up
     rates: dict[bool, list[float]] = {False: [], True: []}
     for _ in range(args.rounds):

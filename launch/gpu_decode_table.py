@@ -79,9 +79,9 @@ def measure(path: Path, batches: list[int], tokens: int, graphs: bool) -> dict[s
     for b in batches:
         decode_rate(engine, b, 8)  # warm-up
         rates[b] = decode_rate(engine, b, tokens)[0]
-    out = {"tok_s": rates, "graph_info": engine.setup.runner.graph_info,
-           "kv_pages": engine.setup.runner.kv.cfg.num_pages,
-           "weight_bytes": weight_bytes_per_token(engine.setup.runner.model)}
+    out = {"tok_s": rates, "graph_info": engine.built.runner.graph_info,
+           "kv_pages": engine.built.runner.kv.cfg.num_pages,
+           "weight_bytes": weight_bytes_per_token(engine.built.runner.model)}
     engine.close()
     del engine
     torch.cuda.empty_cache()

@@ -16,15 +16,13 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from tokenizers import Tokenizer
 
+from tpserve.args import ServerArgs
+from tpserve.engine.build import BuiltEngine
+from tpserve.engine.build import build_engine as build_rank
 from tpserve.engine.engine import Engine
-from tpserve.engine.kv_cache import KVCache, KVCacheConfig, PageAllocator
 from tpserve.engine.request import Request, new_request
-from tpserve.engine.runner import ModelRunner
 from tpserve.engine.sampling_params import SamplingParams
-from tpserve.engine.scheduler import Scheduler, SchedulerConfig
 from tpserve.engine.warmup import run_to_completion
-from tpserve.layers.tp import TPContext
-from tpserve.models.registry import build_model
 
 
 def free_port() -> int:
@@ -118,17 +116,25 @@ def make_request(rid: str, ids: list[int], params: SamplingParams, eos: frozense
     return new_request(rid, ids, params, byte_tokenizer(), eos, seed, lambda out: None)
 
 
-def build_engine(model_dir: Path, tp: TPContext, channel: Any = None, pages: int = 64,
-                 page_size: int = 4, max_running: int = 16, chunk: int = 64,
-                 dtype: torch.dtype = torch.float32, context_length: int = 200) -> Engine:
-    model = build_model(model_dir, tp, dtype, torch.device("cpu"), context_length + 64)
-    cfg = model.cfg
-    kv = KVCache(KVCacheConfig(pages, page_size, cfg.num_layers, model.layers[0].self_attn.kv_heads,
-                               cfg.head_dim, dtype), torch.device("cpu"))
-    runner = ModelRunner(model, kv, torch.device("cpu"), getattr(tp.comm, "switch", None))
-    sched = Scheduler(SchedulerConfig(page_size, max_running, chunk, context_length),
-                      PageAllocator(pages))
-    return Engine(runner, sched, channel, context_length)
+def build(model_dir: Path, allreduce: str = "gloo", pages: int = 64, page_size: int = 4,
+          max_running: int = 16, chunk: int = 64, dtype: str = "float32",
+          context_length: int = 200, **kw: Any) -> BuiltEngine:
+    """This rank's engine from the one builder, with a KV pool of exactly ``pages`` pages.
+
+    Inside ``spawn`` the ranks come from the environment it sets; outside, TP = 1.
+    """
+    args = ServerArgs(model=str(model_dir), device="cpu", dtype=dtype, allreduce=allreduce,
+                      page_size=page_size, max_total_tokens=(pages - 1) * page_size,
+                      max_running_requests=max_running, chunked_prefill_size=chunk,
+                      context_length=context_length, cpu_threads=1, **kw)
+    return build_rank(args)
+
+
+def build_engine(model_dir: Path, **kw: Any) -> Engine:
+    """Rank 0's engine (TP = 1 unless inside ``spawn``)."""
+    engine = build(model_dir, **kw).engine
+    assert engine is not None
+    return engine
 
 
 def run_all(engine: Engine, reqs: list[Request]) -> list[list[int]]:

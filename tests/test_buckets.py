@@ -13,12 +13,12 @@ from tpserve.engine.buckets import (
     power_of_two_keys,
 )
 from tpserve.engine.compiled import inert_batch
-from tpserve.engine.plan import StepPlan, build_forward_batch
+from tpserve.engine.plan import Layout, build_forward_batch
 
 
 def test_default_batch_sizes() -> None:
     assert default_batch_sizes(32) == (1, 2, 4, 8, 12, 16, 24, 32)
-    assert default_batch_sizes(20) == (1, 2, 4, 8, 12, 16)
+    assert default_batch_sizes(20) == (1, 2, 4, 8, 12, 16, 20)  # max_bs itself is a bucket
     assert default_batch_sizes(1) == (1,)
     assert default_batch_sizes(512)[-3:] == (480, 496, 512)
 
@@ -34,13 +34,13 @@ def test_key_buckets_and_pick() -> None:
     assert b.pick(9, 16) is None and b.pick(1, 1009) is None
 
 
-def _plan(batch: int, queries: int) -> StepPlan:
+def _plan(batch: int, queries: int) -> Layout:
     rng = np.random.default_rng(0)
     cached = rng.integers(0, 20, batch).astype(np.int32)
     q_lens = rng.integers(1, queries + 1, batch).astype(np.int32)
     pages = np.stack([rng.permutation(np.arange(1, 40))[:8] for _ in range(batch)])
     tokens = rng.integers(1, 50, (batch, queries))
-    return StepPlan("forward", tokens, q_lens, cached, pages.astype(np.int32))
+    return Layout(tokens, q_lens, cached, pages.astype(np.int32))
 
 
 @pytest.mark.parametrize("queries", [1, 3])

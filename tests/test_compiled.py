@@ -39,11 +39,11 @@ def generate(target: Path, draft: Path | None, setting: tuple[int, int, int], n:
              executor: dict[str, Any] | None = None) -> tuple[list[list[int]], Any]:
     """Greedy outputs of ``n`` requests; ``executor``: CompileConfig kwargs (None = eager)."""
     engine = OfflineEngine(args_for(target, draft, *setting))
-    runner = engine.setup.runner
+    runner = engine.built.runner
     if executor is not None:
-        phases = [runner.decode_phase]
+        phases = [runner.decode_forward]
         if engine.spec is not None:
-            phases += [engine.spec.draft_phase, engine.spec.verify_phase]
+            phases += [engine.spec.drafter.draft_forward, engine.spec.drafter.verify_forward]
         runner.static = CompiledExecutor(phases, CompileConfig(**executor))
     prompts, params = _prompts(n)
     outs = engine.generate(prompts, params)

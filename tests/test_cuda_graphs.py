@@ -41,7 +41,7 @@ def run(target: Path, draft: Path | None, n: int, setting: tuple[int, int, int] 
     prompts = [[1] + [(5 * i + 3 * j) % 31 + 1 for j in range(2 + 2 * i)] for i in range(n)]
     params = SamplingParams(max_new_tokens=12, temperature=0.0, ignore_eos=True)
     outs = engine.generate(prompts, params)
-    info = engine.setup.runner.graph_info
+    info = engine.built.runner.graph_info
     engine.close()
     return [o.output_ids for o in outs], info
 

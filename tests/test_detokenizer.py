@@ -173,3 +173,77 @@ def test_safe_prefix_len_holds_back_partial_matches() -> None:
     assert StopChecker([]).safe_prefix_len("abc") == 3
     # The longest held suffix wins across stop strings.
     assert StopChecker(["ab", "xab!"]).safe_prefix_len("zxab") == 1
+
+
+# --- byte-fallback tokenizers (SentencePiece style: Llama 2, Mistral, Gemma) ----------------
+
+FALLBACK_TEXTS = ["hello 🙂 日本語 €", "🙂🙃", "日本語のテキスト", "naïve café ünïcödé", "a€b😀c"]
+
+
+@pytest.fixture(scope="module")
+def fallback_tok() -> Tokenizer:
+    """Pieces for a few words and CJK characters; everything else becomes ``<0xNN>`` tokens,
+    decoded through ByteFallback + Fuse + Strip as Llama 2's tokenizer.json does."""
+    from tokenizers import normalizers
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2}
+    vocab.update({f"<0x{b:02X}>": 3 + b for b in range(256)})
+    for piece in ["▁", "▁hello", "▁café", "日", "本", "a", "b", "c", "h", "e", "l", "o"]:
+        vocab.setdefault(piece, len(vocab))
+    merges = [("▁", "h"), ("▁h", "e"), ("▁he", "l"), ("▁hel", "l"), ("▁hell", "o")]
+    for a, b in list(merges):
+        vocab.setdefault(a + b, len(vocab))
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, unk_token="<unk>", byte_fallback=True))
+    tok.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(),
+                                     decoders.Fuse(), decoders.Strip(" ", 1, 0)])
+    tok.add_special_tokens(["<s>", "</s>"])
+    return tok
+
+
+@pytest.mark.parametrize("text", FALLBACK_TEXTS)
+def test_byte_fallback_streams_whole_characters(fallback_tok: Tokenizer, text: str) -> None:
+    ids = fallback_tok.encode(text).ids
+    assert any(fallback_tok.id_to_token(i).startswith("<0x") for i in ids)  # really byte tokens
+    detok = IncrementalDetokenizer(fallback_tok)
+    chunks = [detok.add([i]) for i in ids]
+    assert "".join(chunks) + detok.finish() == fallback_tok.decode(ids) == text
+    assert not any("\ufffd" in c for c in chunks)
+
+
+def test_byte_fallback_run_rewritten_by_next_byte(fallback_tok: Tokenizer) -> None:
+    # ByteFallback turns a whole run of byte tokens into U+FFFDs while the run is invalid:
+    # '日' as bytes decodes fine, but '日' + <0xE6> decodes to four U+FFFD. Text already sent
+    # must not be re-sent or garbled, and the next character still arrives whole.
+    nichi, hon = list("日".encode()), list("本".encode())
+    ids = [3 + b for b in nichi + hon]
+    assert fallback_tok.decode(ids[:4]) == "\ufffd" * 4
+    detok = IncrementalDetokenizer(fallback_tok, prompt_ids=fallback_tok.encode("hello").ids)
+    assert [detok.add([i]) for i in ids] == ["", "", "日", "", "", "本"]
+
+
+def test_incomplete_character_flushed_at_finish(fallback_tok: Tokenizer) -> None:
+    # '語' as three byte tokens, then '€' cut after 2 of its 3 bytes: the tokenizer now decodes
+    # the whole 5-byte run as 5 U+FFFD, yet '語' was complete and already sent.
+    cut = [3 + 0xE2, 3 + 0x82]
+    ids = [3 + b for b in "語".encode()] + cut
+    assert fallback_tok.decode(ids) == "\ufffd" * 5
+    detok = IncrementalDetokenizer(fallback_tok, prompt_ids=fallback_tok.encode("日本").ids)
+    chunks = [detok.add([i]) for i in ids]
+    assert chunks == ["", "", "語", "", ""]
+    assert detok.finish() == fallback_tok.decode(cut) == "\ufffd\ufffd"
+    assert detok.text == "語\ufffd\ufffd"
+
+
+def test_random_unicode_through_both_tokenizer_kinds(tok: Tokenizer,
+                                                     fallback_tok: Tokenizer) -> None:
+    rng = random.Random(1)
+    alphabet = "ab €£日本語中文한국어🙂🙃😀👍🏽" + "é" * 3
+    for _ in range(50):
+        text = "".join(rng.choice(alphabet) for _ in range(rng.randrange(1, 12)))
+        for tokenizer in (tok, fallback_tok):
+            ids = tokenizer.encode(text).ids
+            detok = IncrementalDetokenizer(tokenizer)
+            chunks = [detok.add([i]) for i in ids]
+            assert not any("\ufffd" in c for c in chunks), (text, chunks)
+            assert "".join(chunks) + detok.finish() == tokenizer.decode(ids)

@@ -17,7 +17,8 @@ from tests.checkpoints import make_checkpoint
 from tests.eagle_checkpoints import make_draft
 from tpserve.args import ServerArgs
 from tpserve.engine.kv_cache import KVCache, KVCacheConfig
-from tpserve.engine.plan import StepPlan, build_forward_batch
+from tpserve.engine.plan import Layout, build_forward_batch
+from tpserve.errors import ConfigError
 from tpserve.layers.tp import TPContext
 from tpserve.models.config import load_config
 from tpserve.models.eagle3 import aux_layer_indices, build_eagle3, load_eagle3_config
@@ -74,9 +75,9 @@ def test_draft_logits_match_reference(tmp_path: Path, arch: str) -> None:
     aux = torch.cat([states[1][0], states[2][0], _last_output(hf, tokens)], -1)
     draft = build_eagle3(draft_dir, cfg, TPContext.single(), torch.float32,
                          torch.device("cpu"), 64)
-    kv = KVCache(KVCacheConfig(8, 4, 1, 2, 16, torch.float32), torch.device("cpu"))
+    kv = KVCache(KVCacheConfig.gqa(8, 4, 1, 2, 16, torch.float32), torch.device("cpu"))
     t = tokens.shape[1]
-    plan = StepPlan(kind="draft", token_ids=tokens.numpy(), q_lens=np.array([t]),
+    plan = Layout(token_ids=tokens.numpy(), q_lens=np.array([t]),
                     cached_lens=np.array([0]), page_table=np.array([[1, 2, 3]]))
     fb = build_forward_batch(plan, 4, None, torch.device("cpu"))
     embeds = hf.model.embed_tokens(tokens[0]).detach()
@@ -114,7 +115,7 @@ def _args(**kw: object) -> ServerArgs:
     (dict(speculative_num_steps=0), ">= 1"),
 ])
 def test_bad_flags(kw: dict, message: str) -> None:
-    with pytest.raises(SystemExit, match=message):
+    with pytest.raises(ConfigError, match=message):
         spec_config_from_args(_args(**kw))
 
 
@@ -129,9 +130,9 @@ def test_draft_mismatch_and_too_few_layers(tmp_path: Path) -> None:
     target = make_checkpoint(tmp_path / "t", "llama", layers=4, vocab=40)
     tcfg = load_config(target)
     wide = load_eagle3_config(make_draft(tmp_path / "w", target, target_hidden=128))
-    with pytest.raises(SystemExit, match="target hidden size 128"):
+    with pytest.raises(ConfigError, match="target hidden size 128"):
         check_draft_matches(wide, tcfg)
     plain = load_eagle3_config(make_draft(tmp_path / "p", target, aux_ids=None))
-    with pytest.raises(SystemExit, match="3 distinct auxiliary"):
+    with pytest.raises(ConfigError, match="3 distinct auxiliary"):
         aux_layer_indices(plain, tcfg.num_layers)
     assert aux_layer_indices(dataclasses.replace(plain), 8) == (2, 4, 5)

@@ -8,12 +8,10 @@ import numpy as np
 import pytest
 import torch
 
-from comm_backends.torch_dist import GlooAllReduce
 from tests.checkpoints import ARCH_CONFIGS, make_checkpoint
-from tests.harness import build_engine, make_request, run_all, spawn
-from tpserve.engine.plan import StepPlan
+from tests.harness import build, build_engine, make_request, run_all, spawn
+from tpserve.engine.messages import ForwardStep
 from tpserve.engine.sampling_params import SamplingParams
-from tpserve.layers.tp import TPContext
 
 ARCHS = list(ARCH_CONFIGS)
 PROMPTS = [[5, 7, 9, 11, 13, 3, 4], [20, 21, 22], [1, 40, 41, 42, 43, 44, 45, 46, 47, 48, 49]]
@@ -44,20 +42,16 @@ def hf_greedy(path: Path, ids: list[int], n: int) -> list[int]:
     return out[0, len(ids):].tolist()
 
 
-def prefill_logits(engine, ids: list[int]) -> torch.Tensor:  # type: ignore[no-untyped-def]
+def prefill_logits(runner, ids: list[int]) -> torch.Tensor:  # type: ignore[no-untyped-def]
     pages = np.arange(1, 1 + -(-len(ids) // 4), dtype=np.int32)[None]
-    plan = StepPlan("forward", np.array([ids], dtype=np.int64), np.array([len(ids)], dtype=np.int32),
-                    np.array([0], dtype=np.int32), pages, np.arange(len(ids)))
-    return engine.runner.forward(plan).logits
-
-
-def tp_context(rank: int, world: int) -> TPContext:
-    return TPContext(rank, world, GlooAllReduce(None, torch.device("cpu")))
+    step = ForwardStep(np.array([ids], dtype=np.int64), np.array([len(ids)], dtype=np.int32),
+                       np.array([0], dtype=np.int32), pages, np.arange(len(ids)))
+    return runner.forward(step, step.logit_rows).logits
 
 
 def _rank_logits(rank: int, world: int, paths: dict[str, Path]) -> dict[str, torch.Tensor]:
-    tp = tp_context(rank, world)
-    return {a: prefill_logits(build_engine(p, tp), PROMPTS[0]) for a, p in paths.items()}
+    # Every rank runs the same forward directly (no engine loop): gloo pairs the allreduces.
+    return {a: prefill_logits(build(p).runner, PROMPTS[0]) for a, p in paths.items()}
 
 
 def assert_close(ours: torch.Tensor, ref: torch.Tensor, what: str) -> None:
@@ -67,9 +61,9 @@ def assert_close(ours: torch.Tensor, ref: torch.Tensor, what: str) -> None:
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_logits_match_hf_tp1(checkpoints: dict[str, Path], arch: str) -> None:
-    engine = build_engine(checkpoints[arch], TPContext.single())
+    engine = build_engine(checkpoints[arch])
     for ids in PROMPTS:
-        assert_close(prefill_logits(engine, ids), hf_logits(checkpoints[arch], ids), arch)
+        assert_close(prefill_logits(engine.runner, ids), hf_logits(checkpoints[arch], ids), arch)
 
 
 @pytest.mark.parametrize("world", [2, 4])
@@ -84,26 +78,23 @@ def test_logits_match_hf_tensor_parallel(checkpoints: dict[str, Path], world: in
 
 
 def _rank_greedy(rank: int, world: int, paths: dict[str, Path]) -> dict[str, list[list[int]]]:
-    from tpserve.control import ControlChannel
-    from tpserve.engine.engine import follow
-
-    channel = ControlChannel(None)
     out = {}
     for arch, path in paths.items():
-        engine = build_engine(path, tp_context(rank, world), channel if rank == 0 else None)
-        if rank == 0:
+        built = build(path)
+        if built.engine is not None:
             reqs = [make_request(f"r{i}", p, GREEDY) for i, p in enumerate(PROMPTS)]
-            out[arch] = run_all(engine, reqs)
-            channel.send(StepPlan(kind="shutdown"))
+            out[arch] = run_all(built.engine, reqs)
+            built.shutdown_followers()
         else:
-            follow(engine.runner, channel)
-    channel.close()
+            built.follow()
+        if built.channel is not None:
+            built.channel.close()
     return out
 
 
 def test_greedy_generation_matches_hf_tp1(checkpoints: dict[str, Path]) -> None:
     for arch in ("llama", "qwen3"):
-        engine = build_engine(checkpoints[arch], TPContext.single())
+        engine = build_engine(checkpoints[arch])
         reqs = [make_request(f"r{i}", p, GREEDY) for i, p in enumerate(PROMPTS)]
         ours = run_all(engine, reqs)  # all three decoded together: continuous batching
         for ids, got in zip(PROMPTS, ours):

@@ -9,7 +9,6 @@ import pytest
 from tests.checkpoints import make_checkpoint
 from tests.harness import build_engine, make_request, run_all
 from tpserve.engine.sampling_params import SamplingParams
-from tpserve.layers.tp import TPContext
 
 PROMPTS = [[5, 7, 9, 11, 13, 3, 4], [20, 21, 22], [40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50]]
 
@@ -25,15 +24,15 @@ def requests(n: int = 16, temperature: float = 0.0) -> list:
 
 
 def test_chunked_prefill_and_batching_do_not_change_output(ckpt: Path) -> None:
-    ref = [run_all(build_engine(ckpt, TPContext.single()), [r])[0] for r in requests()]
-    chunked = run_all(build_engine(ckpt, TPContext.single(), chunk=3), requests())
+    ref = [run_all(build_engine(ckpt), [r])[0] for r in requests()]
+    chunked = run_all(build_engine(ckpt, chunk=3), requests())
     assert chunked == ref
 
 
 def test_preemption_recomputes_identically(ckpt: Path) -> None:
-    ref = run_all(build_engine(ckpt, TPContext.single()), requests(24, temperature=1.0))
+    ref = run_all(build_engine(ckpt), requests(24, temperature=1.0))
     # 9 usable pages x 4 tokens: three requests of up to 35 tokens cannot all stay resident.
-    engine = build_engine(ckpt, TPContext.single(), pages=10)
+    engine = build_engine(ckpt, pages=10)
     out = run_all(engine, requests(24, temperature=1.0))
     assert engine.scheduler.preemptions > 0
     assert out == ref
@@ -41,7 +40,7 @@ def test_preemption_recomputes_identically(ckpt: Path) -> None:
 
 
 def test_abort_frees_pages(ckpt: Path) -> None:
-    engine = build_engine(ckpt, TPContext.single())
+    engine = build_engine(ckpt)
     reqs = requests(50)
     for r in reqs:
         engine.scheduler.add(r)
@@ -57,7 +56,7 @@ def test_abort_frees_pages(ckpt: Path) -> None:
 
 
 def test_request_larger_than_cache_is_refused(ckpt: Path) -> None:
-    engine = build_engine(ckpt, TPContext.single(), pages=3)
+    engine = build_engine(ckpt, pages=3)
     big = make_request("big", list(range(3, 40)), SamplingParams(max_new_tokens=4, temperature=0))
     small = make_request("small", [3, 4], SamplingParams(max_new_tokens=4, temperature=0, ignore_eos=True))
     run_all(engine, [big, small])
@@ -66,9 +65,9 @@ def test_request_larger_than_cache_is_refused(ckpt: Path) -> None:
 
 
 def test_stop_conditions(ckpt: Path) -> None:
-    free = run_all(build_engine(ckpt, TPContext.single()), requests(12))[0]
+    free = run_all(build_engine(ckpt), requests(12))[0]
     eos_at = free[5]
-    engine = build_engine(ckpt, TPContext.single())
+    engine = build_engine(ckpt)
     req = make_request("e", PROMPTS[0], SamplingParams(max_new_tokens=12, temperature=0),
                        eos=frozenset({eos_at}))
     run_all(engine, [req])
@@ -77,5 +76,5 @@ def test_stop_conditions(ckpt: Path) -> None:
     assert req.finish_reason == {"type": "stop", "matched": eos_at}
     req2 = make_request("s", PROMPTS[0], SamplingParams(max_new_tokens=12, temperature=0,
                                                         stop_token_ids=(eos_at,), min_new_tokens=first + 1))
-    run_all(build_engine(ckpt, TPContext.single()), [req2])
+    run_all(build_engine(ckpt), [req2])
     assert len(req2.output_ids) > first + 1

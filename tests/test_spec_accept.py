@@ -60,7 +60,7 @@ def test_accept_length_end_to_end(const_target: Path, draft_token: int, expected
     engine = OfflineEngine(args_for(const_target, draft, 3, 1, 4))
     params = SamplingParams(max_new_tokens=13, temperature=0.0, ignore_eos=True)
     outs = engine.generate([[1, 4, 6], [1, 2, 3, 4, 5, 6, 7]], params)
-    spec = engine.engine.stats.extra["spec"]
+    spec = engine.spec.snapshot()
     assert spec["avg_accept_length"] == expected
     for out in outs:
         assert out.output_ids == [0] * 13
@@ -115,7 +115,7 @@ def test_sampling_matches_plain_distribution(tmp_path: Path) -> None:
 
     plain, _ = run(False, 0)
     spec, engine = run(True, 10**6)
-    assert engine.engine.stats.extra["spec"]["accepted_drafts"] > 0
+    assert engine.spec.snapshot()["accepted_drafts"] > 0
     for pos in (1, 2, 3):
         stat, dof = _chi2(Counter(o[pos] for o in plain), Counter(o[pos] for o in spec))
         assert stat < CHI2_999[dof], (pos, stat, dof)

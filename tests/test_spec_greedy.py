@@ -36,7 +36,7 @@ def generate(arg: tuple) -> list[tuple[list[int], str, dict]]:
     target, draft, setting, batch = arg
     steps, topk, tokens = setting
     engine = OfflineEngine(args_for(target, draft, steps, topk, tokens))
-    if engine.setup.info.rank != 0:
+    if engine.built.info.rank != 0:
         engine.follow()
         return []
     prompts, params = prompts_and_params()

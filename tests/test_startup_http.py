@@ -11,6 +11,7 @@ import uvicorn
 from fastapi import FastAPI
 
 from tests.harness import free_port
+from tpserve.errors import ConfigError
 from tpserve.server.startup_http import StartupResponder, bind_listener
 
 
@@ -37,7 +38,7 @@ def test_starting_then_hand_over_without_refusing_connections() -> None:
         except httpx.ConnectError:
             threading.Event().wait(0.05)
     assert first.status_code == 503 and first.headers["retry-after"] == "5"
-    responder.set_phase("loading weights (torch.bfloat16)")
+    responder.set_stage("loading weights (torch.bfloat16)")
     other = httpx.post(url + "/generate", json={"text": "x"}, timeout=2)
     assert other.status_code == 503
     assert other.json()["error"]["message"] == "server is starting (loading weights (torch.bfloat16))"
@@ -63,7 +64,8 @@ def test_port_in_use_fails_at_once_with_a_clear_error() -> None:
     port = free_port()
     holder = bind_listener("127.0.0.1", port)
     try:
-        with pytest.raises(SystemExit, match=f"cannot listen on 127.0.0.1:{port}"):
+        with pytest.raises(ConfigError, match=f"cannot listen on 127.0.0.1:{port}") as err:
             bind_listener("127.0.0.1", port)
+        assert err.value.flag == "--port"
     finally:
         holder.close()

@@ -17,6 +17,7 @@ from tpserve.engine.static_setup import (
     make_executor,
     max_keys,
 )
+from tpserve.errors import ConfigError
 
 SHAPE = ModelShape(vocab=128256, hidden=2048, inter_local=8192, heads_local=32,
                    kv_heads_local=8, head_dim=64, itemsize=2)
@@ -35,7 +36,7 @@ def test_capture_safety() -> None:
     reason = capture_unsafe_reason(comm, 2)
     assert reason is not None and "'gloo' is not CUDA-graph capture-safe" in reason
     args = ServerArgs(device="cuda")
-    with pytest.raises(SystemExit, match="capture-safe"):
+    with pytest.raises(ConfigError, match="capture-safe"):
         make_executor(args, [], CUDA, comm, 2, 128)
 
 
@@ -47,3 +48,18 @@ def test_reserve_grows_with_max_bs() -> None:
     assert 0 < small < large < spec
     assert graph_reserve_bytes(ServerArgs(disable_cuda_graph=True), SHAPE, 4096, CUDA) == 0
     assert graph_reserve_bytes(ServerArgs(), SHAPE, 4096, torch.device("cpu")) == 0
+
+
+def test_graph_buckets_cover_max_running_requests_by_default() -> None:
+    assert batch_sizes(parse_args([]))[-1] == ServerArgs().max_running_requests
+    assert batch_sizes(parse_args(["--max-running-requests", "50"]))[-1] == 50
+    assert batch_sizes(parse_args(["--max-running-requests", "50", "--cuda-graph-max-bs",
+                                   "8"]))[-1] == 8
+
+
+def test_compile_on_cuda_is_refused() -> None:
+    from tpserve.engine.static_setup import make_executor
+
+    with pytest.raises(ConfigError, match="--compile is for CPU"):
+        make_executor(ServerArgs(compile=True, disable_cuda_graph=True), [],
+                      torch.device("cuda", 0), None, 1, 128)

@@ -13,7 +13,7 @@ import transformers
 
 from tests.checkpoints import make_checkpoint
 from tpserve.engine.kv_cache import KVCache, KVCacheConfig
-from tpserve.engine.plan import StepPlan, build_forward_batch
+from tpserve.engine.plan import Layout, build_forward_batch
 from tpserve.layers.tp import TPContext
 from tpserve.models.eagle3 import build_eagle3, load_eagle3_config
 from tpserve.spec.config import SpecConfig
@@ -82,9 +82,9 @@ def test_trainer_draft_matches_engine_draft(tmp_path: Path) -> None:
     feats, _, _ = target_view(hf, tokens, aux, vocab.ids)
     engine_draft = build_eagle3(tmp_path / "d", load_eagle3_config(tmp_path / "d"),
                                 TPContext.single(), torch.float32, torch.device("cpu"), 64)
-    kv = KVCache(KVCacheConfig(8, 4, 1, 2, 16, torch.float32), torch.device("cpu"))
+    kv = KVCache(KVCacheConfig.gqa(8, 4, 1, 2, 16, torch.float32), torch.device("cpu"))
     pages = np.array([[1, 2, 3, 4]])
-    plan = StepPlan(kind="draft", token_ids=tokens[:, 1:].numpy(), q_lens=np.array([rows]),
+    plan = Layout(token_ids=tokens[:, 1:].numpy(), q_lens=np.array([rows]),
                     cached_lens=np.array([0]), page_table=pages)
     fb = build_forward_batch(plan, 4, None, torch.device("cpu"))
     embed = torch.nn.Embedding.from_pretrained(hf.get_input_embeddings().weight)

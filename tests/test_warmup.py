@@ -14,7 +14,6 @@ from tests.harness import build_engine, make_request
 from tpserve.dist import CommSwitch
 from tpserve.engine.sampling_params import SamplingParams
 from tpserve.engine.warmup import run_to_completion, warm_up, warmup_prompts, warmup_shape
-from tpserve.layers.tp import TPContext
 
 
 @pytest.mark.parametrize(("max_running", "chunk", "context", "kv_tokens"),
@@ -30,7 +29,7 @@ def test_shape_fits_the_cache_and_the_context(max_running: int, chunk: int, cont
 
 
 def test_warm_up_runs_and_forgets_its_traffic(tmp_path: Path) -> None:
-    engine = build_engine(make_checkpoint(tmp_path / "m"), TPContext.single(), pages=64,
+    engine = build_engine(make_checkpoint(tmp_path / "m"), pages=64,
                           page_size=4, max_running=16, chunk=64, context_length=200)
     # A 2-rank job counts allreduces during the warm-up; stand in for that with a counted backend.
     stats = CommStats(phase="decode")
@@ -53,7 +52,7 @@ def test_warm_up_runs_and_forgets_its_traffic(tmp_path: Path) -> None:
 
 
 def test_a_stalled_schedule_raises_instead_of_spinning(tmp_path: Path) -> None:
-    engine = build_engine(make_checkpoint(tmp_path / "m"), TPContext.single(), pages=4,
+    engine = build_engine(make_checkpoint(tmp_path / "m"), pages=4,
                           page_size=4, max_running=4, chunk=64, context_length=200)
     engine.scheduler.next_batch = lambda: None  # type: ignore[method-assign]
     with pytest.raises(RuntimeError, match="stalled"):

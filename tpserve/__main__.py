@@ -29,15 +29,10 @@ def main(argv: list[str] | None = None) -> int:
     rank = os.environ.get("RANK", "0")
     logging.basicConfig(level=args.log_level.upper(),
                         format=f"[%(asctime)s rank{rank}] %(levelname)s %(name)s: %(message)s")
-    from tpserve.errors import ConfigError
+    from tpserve.errors import exit_code_of
     from tpserve.serve import run
 
-    try:
-        return run(args)
-    except ConfigError as exc:
-        # The one place a configuration error becomes a process exit: one line, code 2.
-        print(f"error: {exc}", file=sys.stderr, flush=True)
-        return 2
+    return exit_code_of(lambda: run(args))
 
 
 if __name__ == "__main__":

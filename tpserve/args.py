@@ -40,10 +40,15 @@ class ServerArgs:
     speculative_eagle_topk: int = 1
     speculative_num_draft_tokens: int = 4
     disable_cuda_graph: bool = False
-    cuda_graph_max_bs: int = 32  # also the largest --compile bucket on CPU
+    disable_radix_cache: bool = False  # prefix caching is on by default
+    cuda_graph_max_bs: int | None = None  # None: --max-running-requests (every batch fits)
     cuda_graph_bs: tuple[int, ...] | None = None  # explicit buckets (default: SGLang-like)
     compile: bool = False  # CPU: torch.compile'd decode phases
     compile_mode: str = "default"
+    served_model_name: str | None = None  # None: the demo's name, else the model directory's
+    chat_template: str | None = None  # FILE, a named template, or inline Jinja
+    generation_config: str = "auto"  # auto | ignore | DIR
+    attention_backend: str = "auto"  # tpserve.layers.attention.registry.NAMES
     admin_api_key: str | None = None  # default: --api-key
     allow_unauthenticated: bool = False  # serve beyond loopback without a key
     profile_dir: str | None = None  # /admin/profile traces (default: a private per-user dir)
@@ -51,8 +56,9 @@ class ServerArgs:
 
 
 FLAG_HELP = {
-    "model": "Hugging Face checkpoint directory (default: the built-in demo model)",
-    "tokenizer": "tokenizer directory (default: the model directory)",
+    "model": "checkpoint directory, Hugging Face cache entry, or repo id in the local "
+             "Hugging Face cache (default: the built-in demo model)",
+    "tokenizer": "tokenizer directory or cached repo id (default: the model directory)",
     "host": "bind address", "port": "HTTP port",
     "allreduce": "allreduce backend(s): auto, gloo, shm, nccl, cuda_p2p, symm_mem; "
                  "a comma list initialises several, the first active",
@@ -81,10 +87,21 @@ FLAG_HELP = {
     "speculative_eagle_topk": "branching factor per draft step (1 = chain)",
     "speculative_num_draft_tokens": "tree nodes verified per step, root included",
     "disable_cuda_graph": "GPU: run decode, draft and verify eagerly (no CUDA graphs)",
-    "cuda_graph_max_bs": "largest batch captured as a CUDA graph (GPU) or compiled (--compile)",
+    "disable_radix_cache": "turn off prefix caching (reuse of KV pages of shared prompt prefixes)",
+    "cuda_graph_max_bs": "largest batch captured as a CUDA graph (GPU) or compiled (--compile) "
+                         "(default: --max-running-requests, so no decode batch runs eagerly)",
     "cuda_graph_bs": "explicit batch-size buckets, e.g. 1 2 4 8 (default: 1,2,4,8,12,16,24,...)",
     "compile": "CPU: torch.compile the decode / draft / verify forwards (bucketed like graphs)",
     "compile_mode": "torch.compile mode: default | max-autotune-no-cudagraphs",
+    "served_model_name": "model id shown by /v1/models and in responses "
+                         "(default: the model directory's name; tpserve-demo for the demo)",
+    "chat_template": "chat template: a Jinja FILE, the name of one of the model's named "
+                     "templates, or inline Jinja (default: the model's own)",
+    "generation_config": "sampling defaults: auto (the model's generation_config.json), "
+                         "ignore, or a DIR holding a generation_config.json",
+    "attention_backend": "attention over the paged KV cache: auto (cpu on CPU where the native "
+                         "kernel builds, flashinfer on CUDA where installed, else torch), torch, "
+                         "cpu, flashinfer",
     "admin_api_key": "key for /admin/* (also env TPSERVE_ADMIN_API_KEY; default: --api-key)",
     "allow_unauthenticated": "allow --host beyond loopback with no --api-key (anyone who can "
                              "reach the port can generate; /admin too without an admin key)",

@@ -7,6 +7,9 @@ it into one line on stderr and exit code 2.
 
 from __future__ import annotations
 
+import sys
+from collections.abc import Callable
+
 
 class ConfigError(ValueError):
     """A flag, checkpoint or environment that tpserve cannot serve as given.
@@ -20,3 +23,16 @@ class ConfigError(ValueError):
 
     def __str__(self) -> str:
         return str(self.args[0]) if self.args else ""
+
+
+def exit_code_of(main: Callable[[], int | None]) -> int:
+    """Run a command's ``main``; a ConfigError becomes one line on stderr and exit code 2.
+
+    The one place a configuration error becomes a process exit, shared by every command
+    (``python -m tpserve`` and the trainers).
+    """
+    try:
+        return main() or 0
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr, flush=True)
+        return 2

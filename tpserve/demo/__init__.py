@@ -12,6 +12,7 @@ import dataclasses
 from pathlib import Path
 
 from tpserve.args import ServerArgs
+from tpserve.errors import ConfigError
 
 DEMO_NAME = "tpserve-demo"
 
@@ -27,8 +28,8 @@ def demo_draft() -> Path:
 def _packaged(name: str) -> Path:
     path = Path(__file__).resolve().parent / name
     if not (path / "model.safetensors").is_file():
-        raise SystemExit(f"error: the built-in demo checkpoint is missing from {path} "
-                         "(reinstall tpserve, or pass --model DIR)")
+        raise ConfigError(f"the built-in demo checkpoint is missing from {path} "
+                          "(reinstall tpserve, or pass --model DIR)", flag="--model")
     return path
 
 
@@ -39,9 +40,18 @@ def is_demo_target(model: str | Path | None) -> bool:
     return Path(model).resolve() == here
 
 
-def served_name(model_dir: Path) -> str:
-    """The model id the API reports: a stable name for the demo, else the directory name."""
-    return DEMO_NAME if is_demo_target(model_dir) else Path(model_dir).name
+def served_name(model_dir: Path, override: str | None = None) -> str:
+    """The model id the API reports: ``--served-model-name``, else a stable name for the
+    demo, else the directory name (a Hugging Face cache snapshot: its repo id, ORG/NAME)."""
+    if override:
+        return override
+    if is_demo_target(model_dir):
+        return DEMO_NAME
+    path = Path(model_dir)
+    repo = path.parent.parent.name if path.parent.name == "snapshots" else ""
+    if repo.startswith("models--"):
+        return repo.removeprefix("models--").replace("--", "/", 1)
+    return path.name
 
 
 def with_demo_defaults(args: ServerArgs) -> ServerArgs:

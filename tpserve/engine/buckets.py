@@ -25,10 +25,6 @@ class Buckets:
     batch_sizes: tuple[int, ...]  # ascending
     key_sizes: tuple[int, ...]  # ascending; each a multiple of the page size
 
-    @property
-    def max_batch(self) -> int:
-        return self.batch_sizes[-1] if self.batch_sizes else 0
-
     def pick(self, batch: int, keys: int) -> tuple[int, int] | None:
         """Smallest (B, T) bucket holding a batch; None when it must run eagerly."""
         b = next((s for s in self.batch_sizes if s >= batch), None)
@@ -39,7 +35,8 @@ class Buckets:
 def default_batch_sizes(max_bs: int) -> tuple[int, ...]:
     """SGLang-like: dense at small sizes (where padding waste matters most), then every 8/16/32."""
     sizes = [1, 2, 4, 8, 12, *range(16, 257, 8), *range(272, 513, 16), *range(544, 4097, 32)]
-    return tuple(s for s in sizes if s <= max_bs) or (1,)
+    # The largest bucket is max_bs itself: a batch of max_bs must never fall through to eager.
+    return tuple(sorted({s for s in sizes if s < max_bs} | {max(1, max_bs)}))
 
 
 def power_of_two_keys(max_keys: int, page_size: int, smallest: int = 64) -> tuple[int, ...]:

@@ -7,11 +7,11 @@ the elementwise chains into a few C++ loops and replaces the per-op dispatch wit
 
 Batch shapes are fixed per bucket (``dynamic=False``, rows padded inertly). The key length T
 is by default a symbolic dimension (``mark_dynamic``): it only sizes the KV gather, mask and
-SDPA, never a matmul, so one compilation per (phase, B) serves every T, and keys are never
+SDPA, never a matmul, so one compilation per (forward, B) serves every T, and keys are never
 padded, which keeps attention's reduction lengths identical to eager's. With
 ``dynamic_keys=False`` T is padded to doubling buckets (``buckets.power_of_two_keys``),
 bounding compilations by |B buckets| x log2(context). No
-``.item()`` / numpy runs inside a phase, so a phase is one graph (``fullgraph`` at TP = 1;
+``.item()`` / numpy runs inside a forward, so a forward is one graph (``fullgraph`` at TP = 1;
 at TP > 1 each allreduce is a graph break that runs eagerly between compiled pieces).
 
 Outputs must not change. Inductor keeps every op that rounds where eager rounds
@@ -34,7 +34,7 @@ import torch
 
 from tpserve.engine.buckets import Buckets, pad_forward_batch
 from tpserve.engine.forward_batch import ForwardBatch
-from tpserve.engine.phases import Phase, pad_extras
+from tpserve.engine.static_forward import StaticForward, pad_extras
 
 log = logging.getLogger(__name__)
 
@@ -63,28 +63,28 @@ class CompileConfig:
 
 
 class CompiledExecutor:
-    """``StaticExecutor`` over torch.compile'd phases (CPU)."""
+    """``StaticExecutor`` over torch.compile'd forwards (CPU)."""
 
-    def __init__(self, phases: list[Phase], cfg: CompileConfig) -> None:
+    def __init__(self, forwards: list[StaticForward], cfg: CompileConfig) -> None:
         if cfg.mode not in MODES:
             raise ValueError(f"compile mode '{cfg.mode}' is not one of {', '.join(MODES)}")
         self.cfg = cfg
-        self.phases = {p.name: p for p in phases}
+        self.forwards = {p.name: p for p in forwards}
         # mode and options are mutually exclusive in torch.compile: fold the mode's own
         # switch into options.
         opts = {**cfg.options(), "max_autotune": cfg.mode != "default"}
         kwargs: dict[str, Any] = {"options": opts} if cfg.backend == "inductor" else {}
         self.compiled = {p.name: torch.compile(p.fn, dynamic=False, fullgraph=cfg.fullgraph,
-                                               backend=cfg.backend, **kwargs) for p in phases}
+                                               backend=cfg.backend, **kwargs) for p in forwards}
         self._seen: set[tuple[str, int, int]] = set()
         self.info: dict[str, Any] = {
             "kind": "torch.compile", "backend": cfg.backend, "mode": cfg.mode, "freezing": cfg.freezing,
             "batch_sizes": list(cfg.buckets.batch_sizes),
             "key_sizes": list(cfg.buckets.key_sizes), "compile_s": 0.0, "compiled": {}}
 
-    def run(self, phase: str, fb: ForwardBatch,
+    def run(self, name: str, fb: ForwardBatch,
             extras: dict[str, torch.Tensor]) -> tuple[torch.Tensor, ...] | None:
-        spec = self.phases.get(phase)
+        spec = self.forwards.get(name)
         batch, keys = fb.read_slots.shape
         bucket = self.cfg.buckets.pick(batch, keys) if spec is not None else None
         if spec is None or bucket is None or fb.num_queries != spec.queries:
@@ -100,25 +100,25 @@ class CompiledExecutor:
             torch._dynamo.maybe_mark_dynamic(padded.read_slots, 1)
             torch._dynamo.maybe_mark_dynamic(padded.mask, 3)
             bucket = (bucket[0], 0)  # 0 = any T
-        key = (phase, *bucket)
+        key = (name, *bucket)
         if key in self._seen:
-            out = self.compiled[phase](padded, padded_extras)
+            out = self.compiled[name](padded, padded_extras)
         else:
             out = self._first_call(key, padded, padded_extras)
         rows = batch * spec.queries
         return tuple(o[:rows] for o in out)
 
-    def refresh(self, phases: list[Phase]) -> None:
-        """Swap in rebuilt phases (a live speculative change); their buckets recompile lazily."""
-        for phase in phases:
-            if phase.name not in self.phases:
+    def refresh(self, forwards: list[StaticForward]) -> None:
+        """Swap in rebuilt forwards (a live speculative change); their buckets recompile lazily."""
+        for forward in forwards:
+            if forward.name not in self.forwards:
                 continue
-            self.phases[phase.name] = phase
-            self.compiled[phase.name] = torch.compile(
-                phase.fn, dynamic=False, fullgraph=self.cfg.fullgraph, backend=self.cfg.backend,
+            self.forwards[forward.name] = forward
+            self.compiled[forward.name] = torch.compile(
+                forward.fn, dynamic=False, fullgraph=self.cfg.fullgraph, backend=self.cfg.backend,
                 **({"options": {**self.cfg.options(), "max_autotune": self.cfg.mode != "default"}}
                    if self.cfg.backend == "inductor" else {}))
-            self._seen = {k for k in self._seen if k[0] != phase.name}
+            self._seen = {k for k in self._seen if k[0] != forward.name}
 
     def _first_call(self, key: tuple[str, int, int], fb: ForwardBatch,
                     extras: dict[str, torch.Tensor]) -> tuple[torch.Tensor, ...]:
@@ -139,16 +139,16 @@ class CompiledExecutor:
         return out
 
     @torch.inference_mode()
-    def warmup(self, phase: str, batch_sizes: tuple[int, ...], key_sizes: tuple[int, ...],
+    def warmup(self, name: str, batch_sizes: tuple[int, ...], key_sizes: tuple[int, ...],
                device: torch.device) -> None:
         """Compile buckets ahead of traffic with all-inert batches (they touch slot 0 only)."""
-        spec = self.phases[phase]
+        spec = self.forwards[name]
         for b in batch_sizes:
             for t in key_sizes:
                 fb = inert_batch(b, spec.queries, t, device)
                 extras = {k: torch.zeros(b, spec.queries, *shape, dtype=dtype, device=device)
                           for k, (shape, dtype) in spec.extras.items()}
-                self.run(phase, fb, extras)
+                self.run(name, fb, extras)
 
 
 def _fields(fb: ForwardBatch) -> tuple[torch.Tensor, ...]:

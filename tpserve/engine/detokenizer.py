@@ -68,11 +68,20 @@ class IncrementalDetokenizer:
         prefix_text = self._decode(self._ids[self._prefix_offset : self._read_offset])
         full_text = self._decode(self._ids[self._prefix_offset :])
         pending = len(self._ids) - self._read_offset
-        incomplete = full_text.endswith(_REPLACEMENT) and pending < MAX_HELD_TOKENS
-        if len(full_text) <= len(prefix_text) or (incomplete and not force):
-            # Nothing visible yet (e.g. a skipped special token) or a split character.
+        # Held back while the pending tokens end mid-character. Byte-level BPE decodes a split
+        # character to a trailing U+FFFD; byte-fallback (``<0xE6>`` tokens) turns the *whole*
+        # run of byte tokens into U+FFFDs while it is invalid UTF-8, rewriting text already
+        # emitted, so the window must also still start with what was emitted.
+        consistent = full_text.startswith(prefix_text)
+        settled = consistent and not full_text.endswith(_REPLACEMENT)
+        if not settled and not force and pending < MAX_HELD_TOKENS:
             return ""
-        chunk = full_text[len(prefix_text) :]
+        # Forced (finish, or a run too long to be one character): what the window still says,
+        # else the pending tokens decoded alone.
+        chunk = (full_text[len(prefix_text) :] if consistent
+                 else self._decode(self._ids[self._read_offset :]))
+        if not chunk:
+            return ""  # nothing visible yet (e.g. a skipped special token)
         self._prefix_offset = self._read_offset
         self._read_offset = len(self._ids)
         self._text += chunk

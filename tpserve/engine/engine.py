@@ -1,10 +1,16 @@
-"""Rank 0's engine loop and the follower loop of the other ranks.
+"""Rank 0's engine loop.
 
-Rank 0 runs ``Engine.run`` in a thread: it drains commands from the HTTP side, asks the
-scheduler for a batch, sends the plan over the control channel, runs its own shard of the
-forward, samples, and emits outputs. Followers run ``follow``: receive a plan, run the same
-forward (their allreduces pair with rank 0's), repeat. Only rank 0 samples; the tokens
-reach the followers inside the next plan, so every rank sees identical inputs.
+``Engine.run`` runs in a thread: it drains commands from the HTTP side, asks the scheduler for
+a batch, sends the step message to every rank (``engine/messages.py``), runs its own shard of
+the forward, samples, and appends the tokens. Only rank 0 samples; the tokens reach the
+followers inside the next message, so every rank sees identical inputs.
+
+A step's data flows one way: scheduler -> message -> forward (every rank) -> logits ->
+sampler or speculative acceptance -> ``_commit`` (the one place tokens are appended, for
+plain and speculative steps alike) -> the request's output events.
+
+An error that belongs to one request (its sampling parameters, its detokenization) fails
+that request only; the engine keeps serving the others.
 """
 
 from __future__ import annotations
@@ -13,30 +19,28 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import Any, Protocol
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+from typing import Any
 
 import torch
 
-from tpserve.engine.admin import apply_change, spec_enabled, spec_settings, validate_change
-from tpserve.engine.finish import append_tokens, emit_progress
-from tpserve.engine.plan import StepPlan
+from tpserve.engine.admin import apply_change, spec_settings, validate_change
+from tpserve.engine.finish import append_tokens, emit_progress, fail_request
+from tpserve.engine.follower import Channel, run_forward
+from tpserve.engine.messages import Shutdown, SpecCommit, StepMessage, encode
 from tpserve.engine.profiler import StepProfiler, TraceCapture
 from tpserve.engine.request import Request
 from tpserve.engine.runner import ModelRunner
 from tpserve.engine.sampler import apply_min_tokens, apply_penalties, sample
 from tpserve.engine.scheduler import ScheduledBatch, Scheduler
-from tpserve.spec.leader import bookkeeping, spec_decode_step
-from tpserve.spec.worker import SpecDecoder
+from tpserve.spec.decoder import Decision, SpecDecoder
+from tpserve.spec.verify import Accepted
 
 log = logging.getLogger(__name__)
 
-
-class Channel(Protocol):
-    def send(self, obj: Any) -> None: ...
-
-    def recv(self) -> Any: ...
+# (request, tokens to append, their (token, logprob, top) entries or None)
+Output = tuple[Request, list[int], list[Any] | None]
 
 
 @dataclass
@@ -53,17 +57,17 @@ class EngineStats:
     decode_tokens: int = 0
     control_seconds: float = 0.0
     step_seconds: float = 0.0
-    extra: dict[str, Any] = field(default_factory=dict)
 
 
 class Engine:
     def __init__(self, runner: ModelRunner, scheduler: Scheduler, channel: Channel | None,
                  context_length: int, spec: SpecDecoder | None = None) -> None:
         self.runner = runner
-        self.spec = spec  # speculative decoding (EAGLE-3) when enabled
+        self.spec = spec  # speculative decoding (EAGLE-3) when a draft is loaded
         self.scheduler = scheduler
         self.channel = channel
         self.context_length = context_length
+        self.device = runner.device
         self.inbox: queue.Queue[Command] = queue.Queue()
         self.stats = EngineStats()
         self.stopping = threading.Event()
@@ -92,15 +96,15 @@ class Engine:
             for req in list(self.scheduler.running) + list(self.scheduler.waiting):
                 self.scheduler.finish(req, "server shutting down")
             try:
-                self.broadcast(StepPlan(kind="shutdown"))
+                self.broadcast(Shutdown())
             except Exception as exc:  # a follower is already gone: nobody left to tell
                 log.warning("could not broadcast shutdown: %s", exc)
                 self.error = self.error or exc
 
-    def broadcast(self, plan: StepPlan) -> None:
+    def broadcast(self, msg: StepMessage) -> None:
         if self.channel is not None:
             start = time.perf_counter()
-            self.channel.send(plan)
+            self.channel.send(encode(msg))
             self.stats.control_seconds += time.perf_counter() - start
 
     def _drain(self, block: bool) -> None:
@@ -129,40 +133,143 @@ class Engine:
         if cmd.done is not None:
             cmd.done(result)
 
+    # ---- steps ----
+
     def step(self, batch: ScheduledBatch) -> None:
-        if spec_enabled(self.spec) and batch.kind == "decode":
-            spec_decode_step(self, batch)
-            return
-        prof = self.profiler
         start = time.perf_counter()
-        plan = self.scheduler.plan(batch)
+        if self.spec is not None and self.spec.enabled and batch.kind == "decode":
+            appended = self._spec_step(batch)
+        else:
+            appended = self._forward_step(batch)
+        self._account(batch, appended, time.perf_counter() - start)
+
+    def _live(self) -> list[Request]:
+        return [*self.scheduler.running, *self.scheduler.waiting]
+
+    def _forward_step(self, batch: ScheduledBatch) -> int:
+        prof = self.profiler
+        msg = self.scheduler.plan(batch)
         if self.spec is not None:
-            plan.extra.update(bookkeeping(self.spec, self.scheduler, batch.requests))
+            msg = replace(msg, feed=self.spec.draft_feed(batch.requests, self._live()))
         with prof.phase("control"):
-            self.broadcast(plan)
+            self.broadcast(msg)
         with prof.phase(batch.kind):
-            # With a draft loaded, plain steps still feed it (spec.prefill), so speculation
-            # can be switched on live for requests already running.
-            out = self.spec.prefill(plan) if self.spec is not None else self.runner.forward(plan)
+            out = run_forward(self.runner, self.spec, msg)
         with prof.phase("sample"):
             sampling = [r for r, s in zip(batch.requests, batch.samples()) if s]
-            tokens, logprobs = self.sample(sampling, out.logits) if sampling else ([], [])
+            sampled = self._sample(sampling, out.logits) if sampling else []
         with prof.phase("output"):
             for req, q in zip(batch.requests, batch.q_lens):
                 req.num_cached += q
-            for req, token, lp in zip(sampling, tokens, logprobs):
-                append_tokens(req, [token], self.context_length, [lp])
+            return self._commit([(req, [tok], [lp]) for req, (tok, lp) in sampled])
+
+    def _spec_step(self, batch: ScheduledBatch) -> int:
+        """Draft + verify on every rank, acceptance here, then the same commit on all."""
+        assert self.spec is not None
+        spec, prof, reqs = self.spec, self.profiler, batch.requests
+        msg = spec.plan(reqs, self._live())
+        with prof.phase("control"):
+            self.broadcast(msg)
+        verified = spec.run(msg, prof.phase)
+        with prof.phase("accept"):
+            decision = self._accept(reqs, verified)
+        with prof.phase("control"):
+            self.broadcast(decision.commit)
+        with prof.phase("commit"):
+            spec.commit(msg, decision.commit, verified)
+        with prof.phase("output"):
+            for req, acc in zip(reqs, decision.accepted, strict=True):
+                req.num_cached = req.seq_len - 1 + len(acc.tokens)
+            outputs = [(r, a.tokens, lp) for r, a, lp in
+                       zip(reqs, decision.accepted, decision.logprobs, strict=True)
+                       if not r.finished]
+            return self._commit(outputs, lambda: spec.finish_step(reqs, decision))
+
+    def _accept(self, reqs: list[Request], verified: Any) -> Decision:
+        """Acceptance for the batch; if it raises, every request of the batch fails (the
+        followers still get a commit, of roots only, so all ranks stay in step)."""
+        assert self.spec is not None
+        try:
+            return self.spec.accept(reqs, verified)
+        except Exception as exc:
+            log.exception("speculative acceptance failed; failing the %d requests", len(reqs))
+            for req in reqs:
+                fail_request(req, f"internal error while sampling: {exc}")
+            roots = [Accepted([0], []) for _ in reqs]
+            return Decision(SpecCommit.of([[0]] * len(reqs)), roots, [None] * len(reqs))
+
+    def _sample(self, reqs: list[Request], logits: torch.Tensor
+                ) -> list[tuple[Request, tuple[int, Any]]]:
+        """(request, (token, logprob entry)) for every request that could be sampled."""
+        try:
+            return list(zip(reqs, self._sample_batch(reqs, logits), strict=True))
+        except Exception:
+            log.exception("sampling a batch of %d failed; isolating the request at fault",
+                          len(reqs))
+        out = []
+        for i, req in enumerate(reqs):
+            try:
+                out.append((req, self._sample_batch([req], logits[i : i + 1])[0]))
+            except Exception as exc:
+                fail_request(req, f"internal error while sampling: {exc}")
+        return out
+
+    def _sample_batch(self, reqs: Sequence[Request], logits: torch.Tensor
+                      ) -> list[tuple[int, Any]]:
+        params = [r.params for r in reqs]
+        logits = apply_penalties(logits, params, [r.prompt_ids for r in reqs],
+                                 [r.output_ids for r in reqs])
+        eos = sorted({t for r in reqs for t in r.eos_ids})
+        logits = apply_min_tokens(logits, params, [len(r.output_ids) for r in reqs], eos)
+        result = sample(logits, params, [r.generator for r in reqs])
+        tokens = result.tokens.tolist()
+        lps = result.logprobs.tolist()
+        tops = result.top_logprobs or [None] * len(reqs)
+        return [(t, (t, lp, top)) for t, lp, top in zip(tokens, lps, tops)]
+
+    def _commit(self, outputs: list[Output],
+                before_emit: Callable[[], None] | None = None) -> int:
+        """The one place tokens join a request (stop checks, text, streaming); returns how
+        many were appended. A request whose text handling fails is failed alone.
+        ``before_emit`` runs once every token is appended (statistics the events report)."""
+        appended, failed = 0, set()
+        for req, tokens, logprobs in outputs:
+            try:
+                appended += append_tokens(req, tokens, self.context_length, logprobs)
+            except Exception as exc:
+                log.exception("request %s failed while appending tokens", req.rid)
+                fail_request(req, f"internal error while detokenizing: {exc}")
+                failed.add(id(req))
+        if before_emit is not None:
+            before_emit()
+        for req, _, _ in outputs:
+            if id(req) in failed:
+                continue
+            try:
                 emit_progress(req)
-            self.scheduler.release_finished()
-        self._account(batch, time.perf_counter() - start)
+            except Exception as exc:
+                log.exception("request %s failed while streaming", req.rid)
+                fail_request(req, f"internal error while detokenizing: {exc}")
+        self.scheduler.release_finished()
+        return appended
+
+    def _account(self, batch: ScheduledBatch, appended: int, seconds: float) -> None:
+        self.stats.steps += 1
+        self.stats.step_seconds += seconds
+        if batch.kind == "prefill":
+            self.stats.prefill_tokens += sum(batch.q_lens)
+        else:
+            self.stats.decode_tokens += appended
+
+    # ---- settings, statistics, traces ----
 
     def reconfigure(self, change: dict[str, Any]) -> dict[str, Any]:
         """Validate and apply a live change on every rank; returns the active settings."""
         lookahead = self.scheduler.cfg.decode_lookahead
         valid = validate_change(change, self.runner.comm, self.spec, lookahead)
-        if valid:
-            self.broadcast(StepPlan(kind="admin", extra=valid))
-            apply_change(valid, self.runner, self.spec)
+        if valid is not None:
+            self.broadcast(valid)
+            apply_change(valid, self.runner.comm, self.runner.static, self.spec)
         if change.get("profiling") is not None:
             if self.runner.comm is not None:
                 self.runner.comm.set_profiling(bool(change["profiling"]))
@@ -178,9 +285,9 @@ class Engine:
 
     def reset_stats(self) -> None:
         self.profiler.reset()
-        self.stats.extra.pop("spec", None)
+        self.stats = EngineStats()
         if self.spec is not None:
-            self.spec.timing.clear()
+            self.spec.reset_stats()
 
     def start_trace(self, steps: int, path: str) -> TraceCapture:
         if self.trace is not None:
@@ -191,40 +298,3 @@ class Engine:
     def _trace_tick(self) -> None:
         if self.trace is not None and self.trace.tick():
             self.trace = None
-
-    def sample(self, reqs: list[Request], logits: torch.Tensor) -> tuple[list[int], list[Any]]:
-        params = [r.params for r in reqs]
-        logits = apply_penalties(logits, params, [r.prompt_ids for r in reqs],
-                                 [r.output_ids for r in reqs])
-        eos = sorted({t for r in reqs for t in r.eos_ids})
-        logits = apply_min_tokens(logits, params, [len(r.output_ids) for r in reqs], eos)
-        result = sample(logits, params, [r.generator for r in reqs])
-        tokens = result.tokens.tolist()
-        lps = result.logprobs.tolist()
-        tops = result.top_logprobs or [None] * len(reqs)
-        return tokens, [(t, lp, top) for t, lp, top in zip(tokens, lps, tops)]
-
-    def _account(self, batch: ScheduledBatch, seconds: float) -> None:
-        self.stats.steps += 1
-        self.stats.step_seconds += seconds
-        if batch.kind == "prefill":
-            self.stats.prefill_tokens += sum(batch.q_lens)
-        else:
-            self.stats.decode_tokens += len(batch.requests)
-
-
-def follow(runner: ModelRunner, channel: Channel, spec: SpecDecoder | None = None) -> None:
-    """Non-zero ranks: execute plans until told to stop."""
-    while True:
-        plan: StepPlan = channel.recv()
-        if plan.kind == "shutdown":
-            return
-        if plan.kind == "forward":
-            if spec is not None:
-                spec.prefill(plan)
-            else:
-                runner.forward(plan)
-        elif plan.kind == "spec" and spec is not None:
-            spec.follow_step(plan, channel)
-        elif plan.kind == "admin":
-            apply_change(plan.extra, runner, spec)

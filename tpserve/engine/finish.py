@@ -81,16 +81,11 @@ def abort(req: Request, message: str = "aborted") -> None:
 
 
 def fail_request(req: Request, message: str) -> None:
-    """End ``req`` after an error in its own sampling or output handling, and tell its client.
-
-    For the engine loop's per-request ``except``: it touches neither the detokenizer nor the
-    stop matcher (either may be what failed) and streams no held-back text. The caller still
-    removes the request from the scheduler and frees its pages.
-    """
-    req.finish_reason = {"type": "abort", "message": f"internal error: {message}"}
-    visible = min(req.streamed_text, len(req.text))
+    """Finish ``req`` with an error. Its final event is built without the detokenizer or the
+    stop matcher (either may be what failed), from the text already streamed."""
+    req.finish_reason = {"type": "abort", "message": message}
     req.emit(RequestOutput(
-        rid=req.rid, text=req.text[:visible], new_text="", output_ids=list(req.output_ids),
-        new_ids=req.output_ids[req.streamed_ids:], finished=True,
-        finish_reason=req.finish_reason, meta=req.meta(), logprobs=list(req.logprobs),
-    ))
+        rid=req.rid, text=req.text[: req.streamed_text], new_text="",
+        output_ids=list(req.output_ids), new_ids=req.output_ids[req.streamed_ids :],
+        finished=True, finish_reason=req.finish_reason, meta=req.meta(),
+        logprobs=list(req.logprobs)))

@@ -1,7 +1,7 @@
-"""CUDA graphs for the decode-time phases: one graph per batch-size bucket and phase.
+"""CUDA graphs for the decode-time static forwards: one graph per batch-size bucket and forward.
 
 Each graph owns static input buffers ([B, Q] ids/positions/write slots, [B, T] read slots,
-[B, 1, Q, T] mask, extras) and replays the phase's kernels without any CPU launch cost. A
+[B, 1, Q, T] mask, extras) and replays the forward's kernels without any CPU launch cost. A
 batch of n requests is copied into the smallest bucket B >= n; rows n..B are inert (token 0,
 dummy slot 0, attend to slot 0 only), so they cannot touch real KV. Batches above the
 largest bucket, and prefill, run eagerly.
@@ -39,7 +39,7 @@ from tpserve.dist import CommSwitch
 from tpserve.engine.buckets import pad_forward_batch
 from tpserve.engine.compiled import inert_batch
 from tpserve.engine.forward_batch import ForwardBatch
-from tpserve.engine.phases import Phase
+from tpserve.engine.static_forward import StaticForward
 
 log = logging.getLogger(__name__)
 
@@ -65,15 +65,15 @@ class CudaGraphExecutor:
         self.cfg, self.device, self.comm = cfg, device, comm
         self.pool = torch.cuda.graph_pool_handle()
         self.backend = comm.active_name if comm is not None else None
-        self.phases: dict[str, Phase] = {}
+        self.forwards: dict[str, StaticForward] = {}
         self.graphs: dict[str, dict[int, _Captured]] = {}
         self.info: dict[str, Any] = {"kind": "cuda_graph", "batch_sizes": list(cfg.batch_sizes),
                                      "max_keys": cfg.max_keys, "allreduce": self.backend,
                                      "sets": {}}
 
-    def run(self, phase: str, fb: ForwardBatch,
+    def run(self, name: str, fb: ForwardBatch,
             extras: dict[str, torch.Tensor]) -> tuple[torch.Tensor, ...] | None:
-        graphs, spec = self.graphs.get(phase), self.phases.get(phase)
+        graphs, spec = self.graphs.get(name), self.forwards.get(name)
         if not graphs or spec is None or fb.num_queries != spec.queries:
             return None
         if self.comm is not None and self.comm.active_name != self.backend:
@@ -93,58 +93,58 @@ class CudaGraphExecutor:
         rows = batch * spec.queries
         return tuple(o[:rows].clone() for o in cap.outputs)
 
-    def refresh(self, phases: list[Phase]) -> None:
-        """Recapture just ``phases`` (e.g. verify/draft after a live speculative change)."""
-        for phase in phases:
-            if phase.name in self.graphs:
-                self.graphs.pop(phase.name)
-                self.capture(phase)
+    def refresh(self, forwards: list[StaticForward]) -> None:
+        """Recapture just ``forwards`` (e.g. verify/draft after a live speculative change)."""
+        for forward in forwards:
+            if forward.name in self.graphs:
+                self.graphs.pop(forward.name)
+                self.capture(forward)
 
     def on_backend_change(self) -> None:
         """Captured collectives belong to the backend active at capture: recapture them all
         (every rank does this between the same two steps, so the captures pair up)."""
         self.backend = self.comm.active_name if self.comm is not None else None
         self.info["allreduce"] = self.backend
-        for phase in list(self.phases.values()):
-            self.graphs.pop(phase.name, None)
-            self.capture(phase)
+        for forward in list(self.forwards.values()):
+            self.graphs.pop(forward.name, None)
+            self.capture(forward)
 
     @torch.inference_mode()
-    def capture(self, phase: Phase, progress: Callable[[str], None] = log.info) -> None:
-        """Capture ``phase`` for every bucket (largest first, so later ones fit its pool)."""
+    def capture(self, forward: StaticForward, progress: Callable[[str], None] = log.info) -> None:
+        """Capture ``forward`` for every bucket (largest first, so later ones fit its pool)."""
         torch.cuda.synchronize(self.device)
         free_before = torch.cuda.mem_get_info(self.device)[0]
         start = time.perf_counter()
-        self.phases[phase.name] = phase
-        graphs = self.graphs.setdefault(phase.name, {})
+        self.forwards[forward.name] = forward
+        graphs = self.graphs.setdefault(forward.name, {})
         sizes = sorted(self.cfg.batch_sizes, reverse=True)
         with _timing_off(self.comm):
             for i, bs in enumerate(sizes):
-                progress(f"capturing CUDA graph '{phase.name}' batch {bs} ({i + 1}/{len(sizes)})")
-                graphs[bs] = self._capture_one(phase, bs)
+                progress(f"capturing CUDA graph '{forward.name}' batch {bs} ({i + 1}/{len(sizes)})")
+                graphs[bs] = self._capture_one(forward, bs)
         torch.cuda.synchronize(self.device)
         seconds = time.perf_counter() - start
         used = free_before - torch.cuda.mem_get_info(self.device)[0]
-        self.info["sets"][phase.name] = {"graphs": len(sizes), "capture_s": round(seconds, 3),
+        self.info["sets"][forward.name] = {"graphs": len(sizes), "capture_s": round(seconds, 3),
                                          "memory_mb": round(used / 2**20, 1)}
-        log.info("captured %d '%s' graphs in %.1fs using %.0f MB", len(sizes), phase.name,
+        log.info("captured %d '%s' graphs in %.1fs using %.0f MB", len(sizes), forward.name,
                  seconds, used / 2**20)
 
-    def _capture_one(self, phase: Phase, bs: int) -> _Captured:
-        fb = inert_batch(bs, phase.queries, self.cfg.max_keys, self.device)
-        extras = {k: torch.zeros(bs, phase.queries, *shape, dtype=dtype, device=self.device)
-                  for k, (shape, dtype) in phase.extras.items()}
+    def _capture_one(self, forward: StaticForward, bs: int) -> _Captured:
+        fb = inert_batch(bs, forward.queries, self.cfg.max_keys, self.device)
+        extras = {k: torch.zeros(bs, forward.queries, *shape, dtype=dtype, device=self.device)
+                  for k, (shape, dtype) in forward.extras.items()}
         # Warm up on a side stream: lazy initialisations (cuBLAS handles, NCCL communicators,
         # autotuning) must happen before capture, where they are not allowed.
         side = torch.cuda.Stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side):
             for _ in range(2):
-                phase.fn(fb, extras)
+                forward.fn(fb, extras)
         torch.cuda.current_stream(self.device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
-            outputs = phase.fn(fb, extras)
+            outputs = forward.fn(fb, extras)
         return _Captured(graph, fb, extras, outputs)
 
 

@@ -13,43 +13,69 @@ import torch
 
 
 @dataclass(frozen=True)
+class KVLayout:
+    """What one token stores per layer, per rank: a tuple of ``(heads, dim)`` entries.
+
+    Grouped-query attention stores K and V (two ``(kv_heads, head_dim)`` entries); multi-head
+    latent attention stores one compressed latent (``(1, kv_lora_rank + qk_rope_head_dim)``),
+    which is what makes its cache several times smaller per token.
+    """
+
+    num_layers: int
+    entries: tuple[tuple[int, int], ...]
+
+    @staticmethod
+    def gqa(num_layers: int, kv_heads: int, head_dim: int) -> KVLayout:
+        return KVLayout(num_layers, ((kv_heads, head_dim), (kv_heads, head_dim)))
+
+    @staticmethod
+    def latent(num_layers: int, dim: int) -> KVLayout:
+        return KVLayout(num_layers, ((1, dim),))
+
+    def bytes_per_token(self, dtype: torch.dtype) -> int:
+        return self.num_layers * sum(h * d for h, d in self.entries) * dtype.itemsize
+
+
+@dataclass(frozen=True)
 class KVCacheConfig:
     num_pages: int
     page_size: int
-    num_layers: int
-    kv_heads: int  # per rank
-    head_dim: int
+    layout: KVLayout
     dtype: torch.dtype
+
+    @staticmethod
+    def gqa(num_pages: int, page_size: int, num_layers: int, kv_heads: int, head_dim: int,
+            dtype: torch.dtype) -> KVCacheConfig:
+        return KVCacheConfig(num_pages, page_size, KVLayout.gqa(num_layers, kv_heads, head_dim),
+                             dtype)
 
     @property
     def bytes_per_token(self) -> int:
-        return 2 * self.num_layers * self.kv_heads * self.head_dim * self.dtype.itemsize
+        return self.layout.bytes_per_token(self.dtype)
 
-    @staticmethod
-    def pages_for_budget(budget_bytes: int, page_size: int, num_layers: int, kv_heads: int,
-                         head_dim: int, dtype: torch.dtype) -> int:
-        per_page = 2 * num_layers * kv_heads * head_dim * dtype.itemsize * page_size
-        return max(2, budget_bytes // per_page)
+    @property
+    def max_tokens(self) -> int:
+        """Tokens the pool holds (page 0 is the dummy page)."""
+        return (self.num_pages - 1) * self.page_size
 
 
 class KVCache:
     def __init__(self, cfg: KVCacheConfig, device: torch.device) -> None:
         self.cfg = cfg
         slots = cfg.num_pages * cfg.page_size
-        shape = (slots, cfg.kv_heads, cfg.head_dim)
         # zeros, not empty: the dummy page must hold finite values (0 * NaN would poison SDPA),
         # and large zeroed CPU allocations are lazily backed by the OS anyway.
-        self.layers: list[tuple[torch.Tensor, torch.Tensor]] = [
-            (torch.zeros(shape, dtype=cfg.dtype, device=device),
-             torch.zeros(shape, dtype=cfg.dtype, device=device))
-            for _ in range(cfg.num_layers)
+        self.layers: list[tuple[torch.Tensor, ...]] = [
+            tuple(torch.zeros((slots, h, d), dtype=cfg.dtype, device=device)
+                  for h, d in cfg.layout.entries)
+            for _ in range(cfg.layout.num_layers)
         ]
 
     def move_slots(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Copy KV entries slot-wise (used to compact accepted speculative tokens)."""
-        for k, v in self.layers:
-            k[dst] = k[src]
-            v[dst] = v[src]
+        for entries in self.layers:
+            for t in entries:
+                t[dst] = t[src]
 
 
 class PageAllocator:

@@ -1,13 +1,13 @@
-"""The per-step plan rank 0 sends to every rank, and how each rank turns it into tensors.
+"""Expanding a step's compact layout (tokens, lengths, page table) into padded tensors.
 
-A plan carries only compact integers (tokens, lengths, page tables); each rank expands them
-into positions, slots and masks itself, so the control message stays small.
+Messages between ranks carry only integers (``engine/messages.py``); each rank calls
+``build_forward_batch`` on what it received, so every rank builds identical tensors.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -15,18 +15,33 @@ import torch
 from tpserve.engine.forward_batch import ForwardBatch
 
 
-@dataclass
-class StepPlan:
-    kind: str  # "forward" | "shutdown" | "admin" | "noop"
-    token_ids: np.ndarray | None = None  # [B, Q] int64, padded with 0
-    q_lens: np.ndarray | None = None  # [B] tokens fed this step per request
-    cached_lens: np.ndarray | None = None  # [B] tokens already in the cache before this step
-    page_table: np.ndarray | None = None  # [B, P] page ids covering cached + q_len tokens
-    logit_rows: np.ndarray | None = None  # flat row indices (b * Q + q) that need logits
-    extra: dict[str, Any] = field(default_factory=dict)  # mode-specific data (speculation, admin)
+class BatchLayout(Protocol):
+    """What a forward needs to know about its batch (``ForwardStep`` and ``SpecStep`` have it)."""
+
+    @property
+    def token_ids(self) -> np.ndarray: ...  # [B, Q] int64, padded with 0
+
+    @property
+    def q_lens(self) -> np.ndarray: ...  # [B]: tokens fed this step per request
+
+    @property
+    def cached_lens(self) -> np.ndarray: ...  # [B]: tokens already in the cache
+
+    @property
+    def page_table(self) -> np.ndarray: ...  # [B, P] page ids covering cached + q_len tokens
 
 
-def build_forward_batch(plan: StepPlan, page_size: int, sliding_window: int | None,
+@dataclass(frozen=True)
+class Layout:
+    """A batch layout built on a rank itself (draft extend, verify), never sent."""
+
+    token_ids: np.ndarray
+    q_lens: np.ndarray
+    cached_lens: np.ndarray
+    page_table: np.ndarray
+
+
+def build_forward_batch(plan: BatchLayout, page_size: int, sliding_window: int | None,
                         device: torch.device, tree_mask: torch.Tensor | None = None,
                         depths: torch.Tensor | None = None) -> ForwardBatch:
     """Expand a plan into padded tensors.

@@ -43,6 +43,8 @@ class Request:
     output_ids: list[int] = field(default_factory=list)
     pages: list[int] = field(default_factory=list)
     num_cached: int = 0  # tokens whose KV is in the cache
+    prefix_path: list[Any] = field(default_factory=list)  # locked prefix-cache nodes
+    cached_prefix: int = 0  # tokens reused from the prefix cache at the last admission
     text: str = ""
     streamed_text: int = 0
     streamed_ids: int = 0
@@ -89,10 +91,15 @@ class Request:
 
 def new_request(rid: str, prompt: list[int], params: SamplingParams, tokenizer: Tokenizer,
                 eos_ids: frozenset[int], fallback_seed: int,
-                emit: Callable[[RequestOutput], None]) -> Request:
-    """A request with its own RNG (``params.seed``, else ``fallback_seed``), detokenizer and stops."""
+                emit: Callable[[RequestOutput], None],
+                device: torch.device | str = "cpu") -> Request:
+    """A request with its own RNG (``params.seed``, else ``fallback_seed``), detokenizer and stops.
+
+    The generator lives on ``device``, the engine's: sampling draws on the logits' device, and
+    a CPU generator cannot drive a CUDA draw.
+    """
     return Request(
         rid=rid, prompt_ids=list(prompt), params=params,
-        generator=make_generator(params.seed, fallback_seed),
+        generator=make_generator(params.seed, fallback_seed, device),
         detok=IncrementalDetokenizer(tokenizer, params.skip_special_tokens, prompt),
         stop=StopChecker(params.stop), eos_ids=eos_ids, emit=emit)

@@ -1,8 +1,8 @@
-"""Executes step plans on one rank: build the batch, run the model, return logits.
+"""Executes forward steps on one rank: build the batch, run the model, return logits.
 
 Decode steps (one query per request, no aux states) go through ``static`` when one is set
-(CUDA graphs or torch.compile, see ``engine/phases.py``); other steps, and decode batches
-larger than every bucket, run eagerly.
+(CUDA graphs or torch.compile, see ``engine/static_forward.py``); other steps, and decode
+batches larger than every bucket, run eagerly.
 """
 
 from __future__ import annotations
@@ -14,36 +14,38 @@ import torch
 
 from tpserve.dist import CommSwitch
 from tpserve.engine.kv_cache import KVCache
-from tpserve.engine.phases import Phase, StaticExecutor, decode_phase, run_phase
-from tpserve.engine.plan import StepPlan, build_forward_batch
-from tpserve.models.llama import LlamaForCausalLM
+from tpserve.engine.plan import BatchLayout, build_forward_batch
+from tpserve.engine.static_forward import StaticExecutor, StaticForward, decode_forward, run_static
 
 
 @dataclass
 class ForwardOutput:
-    logits: torch.Tensor  # [len(plan.logit_rows), V] float32, identical on every rank
+    logits: torch.Tensor  # [len(logit_rows), V] float32, identical on every rank
     hidden: torch.Tensor  # [B*Q, H] final-normed hidden states
     aux: list[torch.Tensor]
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaForCausalLM, kv: KVCache, device: torch.device,
+    def __init__(self, model: Any, kv: KVCache, device: torch.device,
                  comm: CommSwitch | None = None) -> None:
         self.model = model
         self.comm = comm
         self.kv = kv
         self.device = device
         self.page_size = kv.cfg.page_size
-        self.decode_phase: Phase = decode_phase(model, kv.layers)
-        self.static: StaticExecutor | None = None  # set by serve.setup_static
+        self.decode_forward: StaticForward = decode_forward(model, kv.layers)
+        self.static: StaticExecutor | None = None  # set by static_setup.install_static
         self.graph_info: dict[str, Any] = {}  # capture/compile report for server info
 
     @torch.inference_mode()
-    def forward(self, plan: StepPlan, aux_layers: tuple[int, ...] = ()) -> ForwardOutput:
-        batch = build_forward_batch(plan, self.page_size, self.model.cfg.sliding_window, self.device)
-        rows = torch.from_numpy(plan.logit_rows).long().to(self.device)
+    def forward(self, step: BatchLayout, logit_rows: Any,
+                aux_layers: tuple[int, ...] = ()) -> ForwardOutput:
+        """Run ``step``; logits only for ``logit_rows`` (flat b * Q + q indices)."""
+        batch = build_forward_batch(step, self.page_size, self.model.cfg.sliding_window,
+                                    self.device)
+        rows = torch.as_tensor(logit_rows, dtype=torch.long).to(self.device)
         if batch.num_queries == 1 and not aux_layers:
-            logits, hidden = run_phase(self.static, self.decode_phase, batch, {})
+            logits, hidden = run_static(self.static, self.decode_forward, batch, {})
             return ForwardOutput(logits=logits.index_select(0, rows), hidden=hidden, aux=[])
         hidden, aux = self.model(batch, self.kv.layers, aux_layers)
         logits = self.model.logits(hidden.index_select(0, rows))

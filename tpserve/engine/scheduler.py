@@ -1,10 +1,15 @@
-"""Rank 0's scheduler: FCFS admission, chunked prefill, continuous batching, preemption.
+"""Rank 0's scheduler: FCFS admission, chunked prefill, continuous batching, preemption,
+prefix caching.
 
 Each call to ``next_batch`` returns either a prefill batch (prompt chunks within the token
 budget) or a decode batch (one token per running request), alternating when both kinds are
 ready so a burst of new prompts cannot starve requests already decoding. When pages run out
 during decode the most recently admitted request is preempted: its pages are freed and it
 re-enters the queue to be recomputed (prompt + output so far) later.
+
+With the prefix cache on, an admitted request first reuses the pages of its longest cached
+prefix (``prefix_cache.py``), and every request that leaves (finished, aborted, preempted)
+hands its full pages to the cache; cached pages are evicted when the free list runs dry.
 """
 
 from __future__ import annotations
@@ -16,7 +21,8 @@ import numpy as np
 
 from tpserve.engine.finish import abort
 from tpserve.engine.kv_cache import PageAllocator
-from tpserve.engine.plan import StepPlan
+from tpserve.engine.messages import ForwardStep
+from tpserve.engine.prefix_cache import CacheStats, PrefixCache
 from tpserve.engine.request import Request
 
 
@@ -27,6 +33,7 @@ class SchedulerConfig:
     chunked_prefill_size: int
     context_length: int
     decode_lookahead: int = 0  # extra KV slots a decode step writes (speculative tree nodes)
+    prefix_cache: bool = True
 
 
 @dataclass
@@ -48,6 +55,7 @@ class Scheduler:
         self.running: list[Request] = []
         self._prefer_decode = False
         self.preemptions = 0
+        self.cache = PrefixCache(cfg.page_size) if cfg.prefix_cache else None
 
     def add(self, req: Request) -> None:
         self.waiting.append(req)
@@ -68,9 +76,44 @@ class Scheduler:
             self.running.remove(req)
         if req in self.waiting:
             self.waiting.remove(req)
-        self.allocator.free(req.pages)
-        req.pages = []
+        self._release_pages(req)
         abort(req, message)
+
+    def _release_pages(self, req: Request) -> None:
+        """Give ``req``'s full pages to the prefix cache (if on) and free the rest."""
+        pages = req.pages
+        if self.cache is not None:
+            pages = self.cache.release(req.prefix_path, req.tokens(0, req.num_cached), pages,
+                                       req.num_cached)
+        self.allocator.free(pages)
+        req.pages, req.prefix_path = [], []
+
+    def _alloc(self, count: int) -> list[int] | None:
+        pages = self.allocator.alloc(count)
+        if pages is None and self.cache is not None:
+            self.allocator.free(self.cache.evict(count - self.allocator.num_free))
+            pages = self.allocator.alloc(count)
+        return pages
+
+    def _reuse_prefix(self, req: Request) -> None:
+        """On admission: start from the pages of the longest cached prefix."""
+        if self.cache is None or req.pages or req.num_cached:
+            return
+        path = self.cache.match(req.tokens(0, req.seq_len))
+        req.prefix_path = path
+        req.pages = [node.page for node in path]
+        req.num_cached = req.cached_prefix = len(path) * self.cfg.page_size
+        req.stats["cached_tokens"] = req.cached_prefix
+
+    def flush_cache(self) -> int:
+        """Drop every cached page no running request uses; returns how many were freed."""
+        if self.cache is None:
+            return 0
+        freed = self.cache.flush()
+        self.allocator.free(freed)
+        if not self.cache.num_pages:
+            self.cache.stats = CacheStats()  # an empty cache starts its hit rate afresh
+        return len(freed)
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -83,7 +126,7 @@ class Scheduler:
         need = self.pages_needed(req, tokens)
         if need <= 0:
             return True
-        pages = self.allocator.alloc(need)
+        pages = self._alloc(need)
         if pages is None:
             return False
         req.pages.extend(pages)
@@ -119,11 +162,15 @@ class Scheduler:
             if self._cannot_ever_fit(req):
                 self.finish(req, "prompt needs more KV cache than the server has")
                 continue
+            self._reuse_prefix(req)
             q = min(req.pending, budget)
             if not self.reserve(req, req.num_cached + q):
                 break
             self.waiting.popleft()
             self.running.append(req)
+            if self.cache is not None:
+                self.cache.stats.queried_tokens += req.seq_len
+                self.cache.stats.hit_tokens += req.cached_prefix
             reqs.append(req)
             lens.append(q)
             budget -= q
@@ -145,12 +192,12 @@ class Scheduler:
 
     def _preempt_latest(self) -> None:
         victim = self.running.pop()
-        self.allocator.free(victim.pages)
-        victim.pages, victim.num_cached = [], 0
+        self._release_pages(victim)
+        victim.num_cached = 0
         self.waiting.appendleft(victim)
         self.preemptions += 1
 
-    def plan(self, batch: ScheduledBatch) -> StepPlan:
+    def plan(self, batch: ScheduledBatch) -> ForwardStep:
         """The compact per-step message every rank expands into tensors."""
         q_max = max(batch.q_lens)
         b = len(batch.requests)
@@ -161,8 +208,8 @@ class Scheduler:
             tokens[i, :q] = req.tokens(req.num_cached, req.num_cached + q)
             pages[i, : len(req.pages)] = req.pages
         rows = [i * q_max + q - 1 for i, (q, s) in enumerate(zip(batch.q_lens, batch.samples())) if s]
-        return StepPlan(
-            kind="forward", token_ids=tokens, q_lens=np.array(batch.q_lens, dtype=np.int32),
+        return ForwardStep(
+            token_ids=tokens, q_lens=np.array(batch.q_lens, dtype=np.int32),
             cached_lens=np.array([r.num_cached for r in batch.requests], dtype=np.int32),
             page_table=pages, logit_rows=np.array(rows, dtype=np.int64),
         )
@@ -171,6 +218,5 @@ class Scheduler:
         done = [r for r in self.running if r.finished]
         for req in done:
             self.running.remove(req)
-            self.allocator.free(req.pages)
-            req.pages = []
+            self._release_pages(req)
         return done

@@ -1,7 +1,7 @@
 """Start-up wiring for fixed-shape execution: which executor, which buckets, how much memory.
 
 GPU: CUDA graphs unless ``--disable-cuda-graph``; TP > 1 needs a capture-safe allreduce
-backend and otherwise refuses to start (running some phases eagerly would silently cost the
+backend and otherwise refuses to start (running some forwards eagerly would silently cost the
 speed the user asked for; the error names the fix). CPU: ``--compile`` enables the
 torch.compile executor. Both use the same batch buckets (``--cuda-graph-bs`` or the defaults
 up to ``--cuda-graph-max-bs``).
@@ -22,11 +22,14 @@ import torch
 from tpserve.args import ServerArgs
 from tpserve.dist import CommSwitch
 from tpserve.engine.buckets import Buckets, default_batch_sizes, power_of_two_keys, round_up
-from tpserve.engine.phases import Phase
+from tpserve.engine.static_forward import StaticForward
+from tpserve.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
-LOOKAHEAD = 64  # rotary tables (and so key spans) reach this far past the context
+# Positions the rotary tables (and so key spans) reach past the context: speculative tree
+# nodes are written there before acceptance. One constant for every builder.
+ROTARY_HEADROOM = 64
 GRAPH_OVERHEAD = 1 << 20  # bytes per captured graph beyond its tensors (rough)
 
 
@@ -51,19 +54,19 @@ class ModelShape:
 def batch_sizes(args: ServerArgs) -> tuple[int, ...]:
     if args.cuda_graph_bs:
         return tuple(sorted(set(args.cuda_graph_bs)))
-    return default_batch_sizes(args.cuda_graph_max_bs)
+    return default_batch_sizes(args.cuda_graph_max_bs or args.max_running_requests)
 
 
 def max_keys(context_length: int, page_size: int) -> int:
-    return round_up(context_length + LOOKAHEAD, page_size)
+    return round_up(context_length + ROTARY_HEADROOM, page_size)
 
 
 def uses_graphs(args: ServerArgs, device: torch.device) -> bool:
     return device.type == "cuda" and not args.disable_cuda_graph
 
 
-def phase_queries(args: ServerArgs) -> tuple[int, ...]:
-    """Q of every captured phase: decode, then draft (topk) and verify (draft tokens)."""
+def forward_queries(args: ServerArgs) -> tuple[int, ...]:
+    """Q of every captured forward: decode, then draft (topk) and verify (draft tokens)."""
     if not args.speculative_algorithm:
         return (1,)
     return (1, args.speculative_eagle_topk, args.speculative_num_draft_tokens)
@@ -75,10 +78,10 @@ def graph_reserve_bytes(args: ServerArgs, shape: ModelShape, context_length: int
     if not uses_graphs(args, device):
         return 0
     sizes, keys = batch_sizes(args), max_keys(context_length, args.page_size)
-    peak = max(_activation_bytes(shape, sizes[-1], q, keys) for q in phase_queries(args))
+    peak = max(_activation_bytes(shape, sizes[-1], q, keys) for q in forward_queries(args))
     out_row = shape.vocab * 4 + shape.hidden * shape.itemsize
-    outputs = sum(b * q * out_row for b in sizes for q in phase_queries(args))
-    return peak + outputs + GRAPH_OVERHEAD * len(sizes) * len(phase_queries(args))
+    outputs = sum(b * q * out_row for b in sizes for q in forward_queries(args))
+    return peak + outputs + GRAPH_OVERHEAD * len(sizes) * len(forward_queries(args))
 
 
 def _activation_bytes(s: ModelShape, batch: int, queries: int, keys: int) -> int:
@@ -99,39 +102,41 @@ def capture_unsafe_reason(comm: CommSwitch | None, world_size: int) -> str | Non
     return None
 
 
-def make_executor(args: ServerArgs, phases: list[Phase], device: torch.device,
+def make_executor(args: ServerArgs, forwards: list[StaticForward], device: torch.device,
                   comm: CommSwitch | None, world_size: int, context_length: int) -> Any:
-    """Build (and on GPU capture) the executor for ``phases``; None when running eagerly."""
+    """Build (and on GPU capture) the executor for ``forwards``; None when running eagerly."""
     sizes = batch_sizes(args)
     if uses_graphs(args, device):
         from tpserve.engine.graphs import CudaGraphExecutor, GraphConfig
 
         reason = capture_unsafe_reason(comm, world_size)
         if reason is not None:
-            raise SystemExit(f"error: {reason}")
+            raise ConfigError(reason, "--allreduce")
         executor = CudaGraphExecutor(
             GraphConfig(sizes, max_keys(context_length, args.page_size)), device, comm)
-        for phase in phases:
-            executor.capture(phase)
+        for forward in forwards:
+            executor.capture(forward)
         return executor
     if args.compile and device.type == "cpu":
         from tpserve.engine.compiled import CompileConfig, CompiledExecutor
 
         keys = power_of_two_keys(max_keys(context_length, args.page_size), args.page_size)
         cfg = CompileConfig(Buckets(sizes, keys), args.compile_mode, fullgraph=world_size == 1)
-        return CompiledExecutor(phases, cfg)
+        return CompiledExecutor(forwards, cfg)
     if args.compile:
-        log.warning("--compile is for CPU; on %s use CUDA graphs (the default)", device.type)
+        raise ConfigError(f"--compile is for CPU; on {device.type} decode is captured as CUDA "
+                          "graphs (the default; --disable-cuda-graph runs it eagerly)",
+                          "--compile")
     return None
 
 
 def install_static(args: ServerArgs, runner: Any, spec: Any, world_size: int,
                    context_length: int) -> None:
     """Set ``runner.static`` (shared by the speculative decoder) and its report."""
-    phases = [runner.decode_phase]
+    forwards = [runner.decode_forward]
     if spec is not None:
-        phases += [spec.draft_phase, spec.verify_phase]
-    executor = make_executor(args, phases, runner.device, runner.comm, world_size,
+        forwards += [spec.drafter.draft_forward, spec.drafter.verify_forward]
+    executor = make_executor(args, forwards, runner.device, runner.comm, world_size,
                              context_length)
     runner.static = executor
     # The executor's own dict: compile times recorded later show up live.

@@ -15,7 +15,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from tpserve.engine.engine import EngineStats
 from tpserve.engine.request import Request
 from tpserve.engine.sampling_params import SamplingParams
 
@@ -85,4 +84,4 @@ def _forget(engine: Any) -> None:
     if engine.runner.comm is not None:
         engine.runner.comm.reset_stats()
     engine.reset_stats()
-    engine.stats = EngineStats()
+    engine.scheduler.flush_cache()  # synthetic prompts: no use keeping their pages

@@ -13,16 +13,26 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-SUPPORTED_ARCHITECTURES = (
+from tpserve.errors import ConfigError
+
+# The registries of what tpserve reads: add an architecture or a quantization method here and
+# the start-up checks (tpserve.preflight) and their messages follow.
+SUPPORTED_ARCHITECTURES: tuple[str, ...] = (
     "LlamaForCausalLM",
     "MistralForCausalLM",
     "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",
 )
+# ``quantization_config.quant_method`` values whose weights the loader reads (unquantized
+# checkpoints carry no quantization_config at all).
+SUPPORTED_QUANT_METHODS: tuple[str, ...] = ()
 
 
-class ModelConfigError(ValueError):
+class ModelConfigError(ConfigError):
     """The checkpoint's config is missing, malformed or unsupported."""
+
+    def __init__(self, message: str, flag: str | None = "--model") -> None:
+        super().__init__(message, flag)
 
 
 @dataclass(frozen=True)
@@ -97,8 +107,8 @@ def parse_config(cfg: dict[str, Any]) -> ModelConfig:
     arch = archs[0] if archs else {"llama": "LlamaForCausalLM"}.get(cfg.get("model_type", ""), "")
     if arch not in SUPPORTED_ARCHITECTURES:
         raise ModelConfigError(
-            f"unsupported architecture '{arch or cfg.get('model_type')}' "
-            f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
+            f"architecture '{arch or cfg.get('model_type')}' is not served by tpserve "
+            f"(it serves: {', '.join(SUPPORTED_ARCHITECTURES)})"
         )
     try:
         heads = int(cfg["num_attention_heads"])
@@ -136,7 +146,7 @@ def load_config(model_dir: str | Path) -> ModelConfig:
         raise ModelConfigError(f"model directory '{model_dir}' does not exist")
     cfg_file = path / "config.json"
     if not cfg_file.is_file():
-        raise ModelConfigError(f"'{model_dir}' has no config.json")
+        raise ModelConfigError(f"missing model config {cfg_file}")
     try:
         cfg = json.loads(cfg_file.read_text())
     except json.JSONDecodeError as exc:

@@ -22,6 +22,7 @@ from safetensors import safe_open
 from torch import nn
 
 from tpserve.engine.forward_batch import ForwardBatch
+from tpserve.errors import ConfigError
 from tpserve.layers.linear import RowParallelLinear
 from tpserve.layers.norm import RMSNorm
 from tpserve.layers.rotary import RotaryEmbedding
@@ -32,6 +33,7 @@ from tpserve.models.config import ModelConfig, ModelConfigError, parse_config
 from tpserve.models.llama import MLP, Attention, KVPair
 
 ARCHITECTURES = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM")
+DRAFT_FLAG = "--speculative-draft-model-path"
 
 
 @dataclass(frozen=True)
@@ -45,12 +47,12 @@ class Eagle3Config:
 def load_eagle3_config(path: str | Path) -> Eagle3Config:
     file = Path(path) / "config.json"
     if not file.is_file():
-        raise ModelConfigError(f"draft model '{path}' has no config.json")
+        raise ModelConfigError(f"draft model '{path}' has no config.json", DRAFT_FLAG)
     raw = json.loads(file.read_text())
     archs = raw.get("architectures") or []
     if archs and archs[0] not in ARCHITECTURES:
         raise ModelConfigError(f"draft architecture '{archs[0]}' is not EAGLE-3 "
-                               f"(supported: {', '.join(ARCHITECTURES)})")
+                               f"(supported: {', '.join(ARCHITECTURES)})", DRAFT_FLAG)
     # The midlayer is a Llama decoder layer: reuse the Llama parser for its shape.
     base = parse_config({**raw, "architectures": ["LlamaForCausalLM"]})
     base = dataclasses.replace(base, architecture=archs[0] if archs else ARCHITECTURES[0])
@@ -74,10 +76,11 @@ def aux_layer_indices(cfg: Eagle3Config, target_layers: int) -> tuple[int, ...]:
     else:
         idx = (2, target_layers // 2, target_layers - 3)
     if len(idx) != 3 or len(set(idx)) != 3 or not all(0 <= i <= target_layers for i in idx):
-        raise SystemExit(
-            f"error: the EAGLE-3 draft needs 3 distinct auxiliary hidden states, but a target "
-            f"with {target_layers} layers gives layer inputs {list(idx)}; use a target with at "
-            "least 7 layers or a draft whose config sets eagle_aux_hidden_state_layer_ids")
+        raise ConfigError(
+            f"the EAGLE-3 draft needs 3 distinct auxiliary hidden states, but a target with "
+            f"{target_layers} layers gives layer inputs {list(idx)}; use a target with at least "
+            "7 layers or a draft whose config sets eagle_aux_hidden_state_layer_ids",
+            DRAFT_FLAG)
     return idx
 
 
@@ -153,10 +156,11 @@ def build_eagle3(path: str | Path, cfg: Eagle3Config, tp: TPContext, dtype: torc
     if d2t is not None:
         if d2t.numel() != cfg.draft_vocab_size:
             raise ModelConfigError(f"draft d2t has {d2t.numel()} entries, expected "
-                                   f"draft_vocab_size {cfg.draft_vocab_size}")
+                                   f"draft_vocab_size {cfg.draft_vocab_size}", DRAFT_FLAG)
         draft.d2t.copy_(d2t.long())
     elif cfg.draft_vocab_size != cfg.base.vocab_size:
-        raise ModelConfigError("draft vocabulary differs from the target's but d2t is missing")
+        raise ModelConfigError("draft vocabulary differs from the target's but d2t is missing",
+                               DRAFT_FLAG)
     return draft.eval()
 
 

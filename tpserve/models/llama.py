@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tpserve.engine.forward_batch import ForwardBatch
+from tpserve.engine.kv_cache import KVLayout
 from tpserve.layers.attention import paged_attention
 from tpserve.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from tpserve.layers.norm import RMSNorm
@@ -119,6 +120,11 @@ class LlamaForCausalLM(nn.Module):
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)
+
+    def kv_layout(self) -> KVLayout:
+        """Per-rank KV entries per token and layer (what the engine allocates pages for)."""
+        attn = self.layers[0].self_attn
+        return KVLayout.gqa(self.cfg.num_layers, attn.kv_heads, attn.head_dim)
 
     def checkpoint_names(self) -> dict[str, tuple[str, int | None]]:
         """Map every checkpoint tensor name to (our parameter name, shard id)."""

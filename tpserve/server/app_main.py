@@ -18,9 +18,11 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from tokenizers import Tokenizer
 
 from tpserve.args import ServerArgs
-from tpserve.chat_template import ChatTemplate, load_chat_template
+from tpserve.chat_template import ChatTemplate
+from tpserve.chat_template_files import load_chat_template
 from tpserve.demo import served_name
 from tpserve.engine.engine import Engine
+from tpserve.generation_config import load_generation_config, log_defaults
 from tpserve.server.admin_api import ADMIN_BODIES, register_admin
 from tpserve.server.engine_client import ClientLimits, EngineClient
 from tpserve.server.guard import Guard, GuardConfig, needs_key
@@ -92,9 +94,15 @@ def serve_http(args: ServerArgs, setup: Any, engine: Engine, tokenizer: Tokenize
     metrics = ServerMetrics()
     state.client.observer = metrics
     template = load_chat_template(*([Path(args.tokenizer)] if args.tokenizer else []),
-                                  Path(setup.model_dir))
-    log.info("chat template: %s", "from tokenizer_config.json" if template.source else "fallback")
-    app = build_app(state, metrics, template, served_name(Path(setup.model_dir)))
+                                  Path(setup.model_dir), choice=args.chat_template)
+    gen = load_generation_config(Path(setup.model_dir), args.generation_config)
+    log_defaults(gen, args.generation_config)
+    state.client.sampling_defaults = gen.sampling
+    model_name = served_name(Path(setup.model_dir), args.served_model_name)
+    state.model_info_extra.update({"served_model_name": model_name,
+                                   "chat_template": template.origin, **gen.info(),
+                                   "eos_token_ids": sorted(eos)})
+    app = build_app(state, metrics, template, model_name)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                             timeout_graceful_shutdown=max(1, round(args.shutdown_timeout_s)))
     server = TpServer(config, on_stop=state.mark_shutting_down)

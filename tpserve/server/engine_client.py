@@ -15,8 +15,9 @@ from __future__ import annotations
 import asyncio
 import itertools
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, replace
+from types import MappingProxyType
 from typing import Any, Protocol
 
 from tokenizers import Tokenizer
@@ -24,6 +25,7 @@ from tokenizers import Tokenizer
 from tpserve.engine.engine import Command, Engine
 from tpserve.engine.request import Request, RequestOutput, new_request
 from tpserve.engine.sampling_params import SamplingParams
+from tpserve.generation_config import with_defaults
 from tpserve.server.client_errors import BadRequest, EngineUnavailable, Overloaded
 from tpserve.server.labels import LabelRegistry
 from tpserve.server.mailbox import EventMailbox
@@ -90,6 +92,8 @@ class EngineClient:
         self._counter = itertools.count()
         self.in_flight = 0  # admitted sequences not yet finished (only the event loop touches it)
         self.observer: RequestObserver | None = None
+        # generation_config.json's sampling defaults, for parameters a request leaves out
+        self.sampling_defaults: Mapping[str, Any] = MappingProxyType({})
         self.labels = LabelRegistry()
         self.encoder = PromptEncoder(tokenizer, limits.context_length)
 
@@ -123,8 +127,10 @@ class EngineClient:
                              f"{self.limits.context_length}")
 
     def parse_params(self, raw: dict[str, Any] | None) -> SamplingParams:
+        """A request's sampling parameters, the model's defaults filling what it left out."""
+        merged = with_defaults(raw, self.sampling_defaults, self.limits.max_new_tokens_limit)
         try:
-            params = SamplingParams.from_dict(raw or {})
+            params = SamplingParams.from_dict(merged)
         except ValueError as exc:
             raise BadRequest(str(exc)) from exc
         return self.validated(params)
@@ -180,7 +186,7 @@ class EngineClient:
         loop = asyncio.get_running_loop()
         args = (rid, ids, params, self.tokenizer, self.eos_ids,
                 self.limits.server_seed + next(self._counter),
-                lambda out: _deliver(loop, events, out))
+                lambda out: _deliver(loop, events, out), self.engine.device)
         stop_chars = sum(len(s) for s in params.stop)
         if stop_chars <= STOP_CHARS_INLINE:
             return new_request(*args)

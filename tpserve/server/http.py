@@ -224,8 +224,14 @@ def create_app(state: ServerState) -> FastAPI:
 
     @app.post("/flush_cache", responses=busy)
     async def flush_cache() -> dict[str, Any]:
-        # There is no prefix cache to drop; succeed only when idle, as SGLang does.
-        idle = await state.client.call(lambda eng: not eng.scheduler.has_work())
-        return {"success": bool(idle), "message": "" if idle else "requests are running"}
+        # Pages that running requests hold stay; success (as in SGLang) means the cache is empty.
+        def flush(eng: Any) -> tuple[int, int]:
+            freed = eng.scheduler.flush_cache()
+            cache = eng.scheduler.cache
+            return freed, cache.num_pages if cache is not None else 0
+
+        freed, kept = await state.client.call(flush)
+        return {"success": kept == 0, "flushed_pages": freed,
+                "message": "" if kept == 0 else f"{kept} pages are in use by running requests"}
 
     return app

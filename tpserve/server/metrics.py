@@ -43,6 +43,12 @@ class EngineCollector(Collector):
         total, free = snap.get("kv_pages_total", 0), snap.get("kv_pages_free", 0)
         yield _gauge("tpserve_kv_pages_used", "KV cache pages in use", total - free)
         yield _gauge("tpserve_kv_pages_total", "usable KV cache pages", total)
+        cache = snap.get("prefix_cache") or {}
+        if cache:
+            yield _gauge("tpserve_kv_pages_cached", "KV pages held by the prefix cache "
+                         "(reusable; evicted when needed)", cache["pages"])
+            yield _gauge("tpserve_prefix_cache_hit_rate", "prompt tokens served from cached "
+                         "pages / prompt tokens admitted", cache["hit_rate"])
         yield from _allreduce(snap.get("allreduce_stats") or {})
         yield from _speculative((snap.get("engine") or {}).get("extra") or {})
         yield from _profile(snap.get("profile") or {})

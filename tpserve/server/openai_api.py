@@ -21,6 +21,7 @@ from tpserve.engine.sampling_params import MAX_STOP_STRINGS
 from tpserve.server.body import check_list, check_prompt_lists, parse_body
 from tpserve.server.engine_client import BadRequest, EngineClient, EngineUnavailable, Overloaded
 from tpserve.server.http import CLIENT_GONE, error
+from tpserve.server.openai_chat import template_inputs
 from tpserve.server.openai_format import Reply, usage
 from tpserve.server.openai_protocol import (
     ChatCompletionRequest,
@@ -83,14 +84,19 @@ class OpenAIFrontend:
                      self.client.tokenizer, want_logprobs)
 
     def _items(self, prompts: list[list[int]], req: SamplingFields, max_tokens: int | None,
-               top_logprobs: int, label: str) -> list[Item]:
+               top_logprobs: int, route_default: int | None, label: str) -> list[Item]:
+        """``max_tokens`` None: the model's generation_config default, else ``route_default``
+        (None: up to the context), either capped by the context left and the server limit.
+        Every item carries ``label`` (the response id, which /abort_request takes)."""
         items: list[Item] = []
+        fallback = self.client.sampling_defaults.get("max_new_tokens", route_default)
         for ids in prompts:
             self.client.check_prompt(ids)
             budget = self.client.limits.context_length - len(ids)
             limit = min(self.client.limits.max_new_tokens_limit, budget)
+            default = limit if fallback is None else min(int(fallback), limit)
             params = self.client.parse_params(
-                sampling_dict(req, limit if max_tokens is None else max_tokens, top_logprobs))
+                sampling_dict(req, default if max_tokens is None else max_tokens, top_logprobs))
             items.extend((ids, p, label) for p in self.client.expand_n(params))
         return items
 
@@ -99,8 +105,9 @@ class OpenAIFrontend:
             raise BadRequest("echo is not supported")
         prompts = await self._prompts(req.prompt)
         reply = self._reply(False, req.logprobs is not None)
-        items = self._items(prompts, req, 16 if req.max_tokens is None else req.max_tokens,
-                            req.logprobs or 0, reply.id)
+        # OpenAI's default of 16 applies only when neither the request nor the model sets one.
+        asked = req.max_tokens if "max_tokens" in req.model_fields_set else None
+        items = self._items(prompts, req, asked, req.logprobs or 0, 16, reply.id)
         return Prepared(items, [len(p) for p in prompts], reply, req.stream,
                         bool(req.stream_options and req.stream_options.include_usage))
 
@@ -117,19 +124,26 @@ class OpenAIFrontend:
                 encoder.check_chars(len(p))
         return [await encoder.encode(p) if isinstance(p, str) else list(p) for p in prompt]
 
+    def chat_text(self, req: ChatCompletionRequest) -> str:
+        """The prompt text transformers' ``apply_chat_template`` would give."""
+        messages, tools = template_inputs(req)
+        return self.template.render(messages, add_generation_prompt=True, tools=tools)
+
+    def chat_prompt(self, req: ChatCompletionRequest) -> list[int]:
+        """``chat_text``'s tokens, here and now (``prepare_chat`` does it off the loop)."""
+        return self.client.tokenize(self.chat_text(req), self.template.tokenize_with_special_tokens)
+
     async def prepare_chat(self, req: ChatCompletionRequest) -> Prepared:
-        messages = [{"role": "system" if m.role == "developer" else m.role,
-                     "content": m.content if not isinstance(m.content, list)
-                     else "".join(part.text for part in m.content)} for m in req.messages]
         encoder = self.client.encoder
-        size = sum(len(m["content"] or "") for m in messages)
-        encoder.check_chars(size)
-        text = await encoder.run(size, self.template.render, messages, True)
+        size = sum(len(m.content) if isinstance(m.content, str) else
+                   sum(len(part.text) for part in m.content or ()) for m in req.messages)
+        encoder.check_chars(size)  # before rendering: the template can only add to it
+        text = await encoder.run(size, self.chat_text, req)
         ids = await encoder.encode(text, self.template.tokenize_with_special_tokens)
         max_tokens = req.max_completion_tokens if req.max_tokens is None else req.max_tokens
         top = (req.top_logprobs or 0) if req.logprobs else 0
         reply = self._reply(True, req.logprobs)
-        items = self._items([ids], req, max_tokens, top, reply.id)
+        items = self._items([ids], req, max_tokens, top, None, reply.id)
         return Prepared(items, [len(ids)], reply, req.stream,
                         bool(req.stream_options and req.stream_options.include_usage))
 

@@ -7,7 +7,7 @@ here are the static ones, and limits that depend on the server (context length,
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -57,12 +57,27 @@ class TextPart(BaseModel):
     text: str
 
 
+class ToolCallFunction(BaseModel):
+    name: str
+    arguments: str | dict[str, Any] = Field("{}", description="JSON text, as OpenAI sends it")
+
+
+class ToolCall(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = Field(None, description="assistant: calls it made")
+    tool_call_id: str | None = Field(None, description="tool: the call this result answers")
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -71,6 +86,9 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: int | None = Field(None, ge=0, description="alias of max_tokens")
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
+    tools: list[dict[str, Any]] | None = Field(
+        None, description="passed to the chat template; tool calls in the output are not parsed")
+    tool_choice: str | dict[str, Any] | None = Field(None, description="auto | none")
 
 
 class Usage(BaseModel):

@@ -2,7 +2,7 @@
 
 Rank 0 binds the listening socket *before* loading weights, so a port clash fails in
 milliseconds instead of after a long load, and load balancers and ``/health`` pollers see a
-503 with the current start-up phase rather than "connection refused". When the engine is
+503 with the current start-up stage rather than "connection refused". When the engine is
 ready the real server takes over the same socket: a duplicate of it was lent to this
 responder, so closing the responder's copy leaves the listening socket open and connections
 that arrive during the hand-over wait in the kernel's backlog instead of being refused.
@@ -17,6 +17,7 @@ from typing import Any
 
 import uvicorn
 
+from tpserve.errors import ConfigError
 from tpserve.server.http import error
 
 log = logging.getLogger("tpserve")
@@ -32,23 +33,23 @@ def bind_listener(host: str, port: int) -> socket.socket:
         sock.bind((host, port))
     except OSError as exc:
         sock.close()
-        raise SystemExit(f"error: cannot listen on {host}:{port}: {exc.strerror}") from None
+        raise ConfigError(f"cannot listen on {host}:{port}: {exc.strerror}", flag="--port") from None
     sock.listen(2048)
     sock.set_inheritable(True)
     return sock
 
 
 class StartingApp:
-    """ASGI app: 503 + Retry-After for every HTTP request, naming the start-up phase."""
+    """ASGI app: 503 + Retry-After for every HTTP request, naming the start-up stage."""
 
     def __init__(self) -> None:
-        self.phase = "initialising"  # written by the loading thread, read per request
+        self.stage = "initialising"  # written by the loading thread, read per request
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] != "http":
             return  # lifespan is off; nothing else is served
         # The same error body every endpoint uses once the real app is up.
-        reply = error(503, f"server is starting ({self.phase})", {"Retry-After": str(RETRY_AFTER_S)})
+        reply = error(503, f"server is starting ({self.stage})", {"Retry-After": str(RETRY_AFTER_S)})
         await reply(scope, receive, send)
 
 
@@ -68,8 +69,8 @@ class StartupResponder:
         self._thread.start()
         return self
 
-    def set_phase(self, phase: str) -> None:
-        self.app.phase = phase
+    def set_stage(self, stage: str) -> None:
+        self.app.stage = stage
 
     def stop(self, timeout_s: float = 10.0) -> socket.socket:
         """Stop answering; returns the still-open listener for the real server."""

@@ -56,11 +56,20 @@ def _engine_snapshot(engine: Any) -> dict[str, Any]:
         "allreduce_active": comm.active_name if comm else None,
         "allreduce_stats": comm.stats() if comm else {},
         "kv_pages_total": sched.allocator.num_usable,
-        "kv_pages_free": sched.allocator.num_free,
+        # Free for a new request: the free list plus cached pages nobody uses (evictable).
+        "kv_pages_free": sched.allocator.num_free + (sched.cache.evictable_pages
+                                                     if sched.cache is not None else 0),
+        "prefix_cache": None if sched.cache is None else {
+            "pages": sched.cache.num_pages, "evictable_pages": sched.cache.evictable_pages,
+            "hit_tokens": sched.cache.stats.hit_tokens,
+            "queried_tokens": sched.cache.stats.queried_tokens,
+            "hit_rate": sched.cache.stats.hit_rate},
         "num_running_reqs": len(sched.running),
         "num_waiting_reqs": len(sched.waiting),
         "preemptions": sched.preemptions,
-        "engine": dataclasses.asdict(stats),
+        # Speculation statistics belong to the decoder; reported where clients read them.
+        "engine": {**dataclasses.asdict(stats),
+                   "extra": {"spec": engine.spec.snapshot()} if engine.spec is not None else {}},
         "control_message_us_avg": 1e6 * stats.control_seconds / max(1, stats.steps),
         "active": engine.active_settings(),
         "profile": engine.profiler.snapshot(),

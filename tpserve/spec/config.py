@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from tpserve.args import ServerArgs
+from tpserve.errors import ConfigError
 from tpserve.models.config import ModelConfig
 from tpserve.models.eagle3 import Eagle3Config
 
@@ -31,10 +32,11 @@ def spec_config_from_args(args: ServerArgs) -> SpecConfig | None:
     if algo is None or str(algo).lower() in ("", "none"):
         return None
     if str(algo).upper() not in ("EAGLE3", "EAGLE-3"):
-        raise SystemExit(f"error: --speculative-algorithm '{algo}' is not supported (use EAGLE3)")
+        raise ConfigError(f"--speculative-algorithm '{algo}' is not supported (use EAGLE3)",
+                          "--speculative-algorithm")
     if not args.speculative_draft_model_path:
-        raise SystemExit("error: --speculative-algorithm EAGLE3 needs "
-                         "--speculative-draft-model-path")
+        raise ConfigError("--speculative-algorithm EAGLE3 needs --speculative-draft-model-path",
+                          "--speculative-draft-model-path")
     cfg = SpecConfig(args.speculative_num_steps, args.speculative_eagle_topk,
                      args.speculative_num_draft_tokens)
     check_tree_shape(cfg)
@@ -44,30 +46,33 @@ def spec_config_from_args(args: ServerArgs) -> SpecConfig | None:
 def check_tree_shape(cfg: SpecConfig) -> None:
     steps, k, n = cfg.num_steps, cfg.topk, cfg.num_draft_tokens
     if steps < 1 or k < 1 or n < 2:
-        raise SystemExit("error: --speculative-num-steps and --speculative-eagle-topk must be "
-                         ">= 1 and --speculative-num-draft-tokens >= 2")
+        raise ConfigError("--speculative-num-steps and --speculative-eagle-topk must be >= 1 and "
+                          "--speculative-num-draft-tokens >= 2", "--speculative-num-steps")
     if k == 1 and n != steps + 1:
-        raise SystemExit(f"error: with --speculative-eagle-topk 1 the draft is a chain: "
-                         f"--speculative-num-draft-tokens must be num_steps + 1 = {steps + 1}, "
-                         f"got {n}")
+        raise ConfigError(f"with --speculative-eagle-topk 1 the draft is a chain: "
+                          f"--speculative-num-draft-tokens must be num_steps + 1 = {steps + 1}, "
+                          f"got {n}", "--speculative-num-draft-tokens")
     full_tree = 1 + sum(k**i for i in range(1, steps + 1))
     if n > full_tree:
-        raise SystemExit(f"error: --speculative-num-draft-tokens {n} exceeds the {full_tree} "
-                         f"nodes of a depth-{steps}, topk-{k} tree")
+        raise ConfigError(f"--speculative-num-draft-tokens {n} exceeds the {full_tree} nodes of "
+                          f"a depth-{steps}, topk-{k} tree", "--speculative-num-draft-tokens")
     if n - 1 > cfg.num_candidates:
-        raise SystemExit(f"error: --speculative-num-draft-tokens {n} needs more than the "
-                         f"{cfg.num_candidates} candidates that {steps} steps of topk {k} "
-                         "propose; raise --speculative-num-steps or --speculative-eagle-topk")
+        raise ConfigError(f"--speculative-num-draft-tokens {n} needs more than the "
+                          f"{cfg.num_candidates} candidates that {steps} steps of topk {k} "
+                          "propose; raise --speculative-num-steps or --speculative-eagle-topk",
+                          "--speculative-num-draft-tokens")
 
 
 def check_draft_matches(draft: Eagle3Config, target: ModelConfig) -> None:
     if draft.target_hidden_size != target.hidden_size:
-        raise SystemExit(f"error: the draft expects target hidden size "
-                         f"{draft.target_hidden_size}, but the target has {target.hidden_size}")
+        raise ConfigError(f"the draft expects target hidden size {draft.target_hidden_size}, "
+                          f"but the target has {target.hidden_size}",
+                          "--speculative-draft-model-path")
     if draft.base.vocab_size != target.vocab_size:
-        raise SystemExit(f"error: the draft's vocab_size {draft.base.vocab_size} differs from "
-                         f"the target's {target.vocab_size}")
+        raise ConfigError(f"the draft's vocab_size {draft.base.vocab_size} differs from the "
+                          f"target's {target.vocab_size}", "--speculative-draft-model-path")
     if draft.base.hidden_size != target.hidden_size:
         # Embeddings are shared with the target, so the draft width must equal the target's.
-        raise SystemExit(f"error: draft hidden size {draft.base.hidden_size} differs from the "
-                         f"target's {target.hidden_size} (embeddings are shared)")
+        raise ConfigError(f"draft hidden size {draft.base.hidden_size} differs from the "
+                          f"target's {target.hidden_size} (embeddings are shared)",
+                          "--speculative-draft-model-path")

@@ -1,45 +1,72 @@
-"""Building the speculative decoder on a rank: draft model, draft KV cache, checks."""
+"""Building the speculative decoder on a rank: the draft model first, then its KV cache.
+
+The draft's weights are loaded before the KV cache is sized (so a GPU's free memory already
+accounts for them), and its KV shares the target's pages, so the builder sizes the page pool
+for both layouts together (``LoadedDraft.kv_layout``).
+"""
 
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 
 import torch
 
-from tpserve.engine.kv_cache import KVCache, KVCacheConfig
+from tpserve.engine.kv_cache import KVCache, KVCacheConfig, KVLayout
 from tpserve.engine.runner import ModelRunner
+from tpserve.errors import ConfigError
 from tpserve.layers.tp import TPContext
-from tpserve.models.config import ModelConfigError
-from tpserve.models.eagle3 import aux_layer_indices, build_eagle3, load_eagle3_config
+from tpserve.models.config import ModelConfig, ModelConfigError
+from tpserve.models.eagle3 import (
+    Eagle3Draft,
+    aux_layer_indices,
+    build_eagle3,
+    load_eagle3_config,
+)
 from tpserve.spec.config import SpecConfig, check_draft_matches
-from tpserve.spec.worker import SpecDecoder
+from tpserve.spec.decoder import SpecDecoder
+from tpserve.spec.drafter import Drafter
 
 log = logging.getLogger(__name__)
+FLAG = "--speculative-draft-model-path"
 
 
-def build_spec(cfg: SpecConfig, draft_path: str, runner: ModelRunner, tp: TPContext,
-               dtype: torch.dtype, max_position: int) -> SpecDecoder:
-    """Load the EAGLE-3 draft beside ``runner``'s target; errors become SystemExit."""
-    if cfg.num_steps + 1 >= 64:
-        # Rotary tables reach 64 positions past the context (serve.setup_rank).
-        raise SystemExit("error: --speculative-num-steps must be below 63")
-    target = runner.model.cfg
+@dataclass
+class LoadedDraft:
+    model: Eagle3Draft
+    aux_layers: tuple[int, ...]
+    kv_layout: KVLayout  # per token, on this rank (one layer)
+
+
+def load_draft(cfg: SpecConfig, draft_path: str, target: ModelConfig, tp: TPContext,
+               dtype: torch.dtype, device: torch.device, max_position: int,
+               headroom: int) -> LoadedDraft:
+    """Load the EAGLE-3 draft for ``target``; problems raise ConfigError.
+
+    ``headroom``: positions the rotary tables reach past the context (tree nodes sit there).
+    """
+    if cfg.num_steps + 1 >= headroom:
+        raise ConfigError(f"--speculative-num-steps must be below {headroom - 1}",
+                          "--speculative-num-steps")
     try:
         draft_cfg = load_eagle3_config(draft_path)
     except (ModelConfigError, OSError, ValueError) as exc:
-        raise SystemExit(f"error: cannot read draft model: {exc}") from None
+        raise ConfigError(f"cannot read draft model: {exc}", FLAG) from None
     check_draft_matches(draft_cfg, target)
     aux = aux_layer_indices(draft_cfg, target.num_layers)
     try:
-        draft = build_eagle3(draft_path, draft_cfg, tp, dtype, runner.device, max_position)
+        draft = build_eagle3(draft_path, draft_cfg, tp, dtype, device, max_position)
     except ValueError as exc:  # shape mismatches, missing tensors
-        raise SystemExit(f"error: cannot load draft model '{draft_path}': {exc}") from None
-    kv = runner.kv.cfg
-    base = draft_cfg.base
-    # Same pages as the target: the draft reuses each request's page table.
-    draft_kv = KVCache(KVCacheConfig(kv.num_pages, kv.page_size, 1,
-                                     draft.self_attn.kv_heads, base.head_dim, dtype),
-                       runner.device)
+        raise ConfigError(f"cannot load draft model '{draft_path}': {exc}", FLAG) from None
+    layout = KVLayout.gqa(1, draft.self_attn.kv_heads, draft_cfg.base.head_dim)
     log.info("EAGLE-3 draft: aux layer inputs %s, steps %d, topk %d, %d draft tokens",
              aux, cfg.num_steps, cfg.topk, cfg.num_draft_tokens)
-    return SpecDecoder(runner, draft, draft_kv, cfg, aux)
+    return LoadedDraft(draft, aux, layout)
+
+
+def make_decoder(loaded: LoadedDraft, cfg: SpecConfig, runner: ModelRunner) -> SpecDecoder:
+    """The decoder over ``runner``'s target, its draft KV on the same pages as the target's."""
+    kv = runner.kv.cfg
+    draft_kv = KVCache(KVCacheConfig(kv.num_pages, kv.page_size, loaded.kv_layout, kv.dtype),
+                       runner.device)
+    return SpecDecoder(Drafter(runner, loaded.model, draft_kv, cfg, loaded.aux_layers))

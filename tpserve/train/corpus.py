@@ -7,6 +7,7 @@ validation text is never seen in training, not even as a neighbouring window.
 
 from __future__ import annotations
 
+import json
 import random
 import sysconfig
 from dataclasses import dataclass
@@ -89,3 +90,12 @@ def fixed_windows(stream: torch.Tensor, count: int, length: int) -> torch.Tensor
     step = max(1, (stream.numel() - length) // count)
     starts = torch.arange(count) * step
     return stream[starts[:, None] + torch.arange(length)].long()
+
+
+def heldout_files(target_dir: Path, seed: int) -> tuple[tuple[Path, ...], tuple[Path, ...]]:
+    """The target's own train / validation file split when it logged one (demo targets)."""
+    log = target_dir / "train_log.json"
+    tcfg = json.loads(log.read_text()).get("config", {}) if log.is_file() else {}
+    split = split_files(stdlib_files(), float(tcfg.get("val_fraction", 0.05)),
+                        int(tcfg.get("seed", seed)), tcfg.get("max_files"))
+    return split.train, split.val

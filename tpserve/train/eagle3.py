@@ -14,12 +14,14 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from tokenizers import Tokenizer
 
+from tpserve.errors import exit_code_of
 from tpserve.train.common import (
     Budget,
     Timer,
@@ -30,7 +32,7 @@ from tpserve.train.common import (
     setup_threads,
     write_json,
 )
-from tpserve.train.corpus import split_files, stdlib_files
+from tpserve.train.corpus import heldout_files
 from tpserve.train.draft_model import DraftShape, Eagle3Trainable
 from tpserve.train.eagle_data import (
     DraftVocab,
@@ -42,6 +44,7 @@ from tpserve.train.eagle_data import (
     target_view,
 )
 from tpserve.train.eagle_export import default_aux_ids, export_draft
+from tpserve.train.evaluate import accept_eval, eval_prompts
 
 
 @dataclass(frozen=True)
@@ -176,15 +179,6 @@ def train_loop(cfg: DraftTrainConfig, draft: Eagle3Trainable, target, data: Gene
             "final_step_top1": accs}
 
 
-def heldout_files(target_dir: Path, seed: int) -> tuple[tuple[Path, ...], tuple[Path, ...]]:
-    """The target's own train / validation file split when it logged one (demo targets)."""
-    log = target_dir / "train_log.json"
-    tcfg = json.loads(log.read_text()).get("config", {}) if log.is_file() else {}
-    split = split_files(stdlib_files(), float(tcfg.get("val_fraction", 0.05)),
-                        int(tcfg.get("seed", seed)), tcfg.get("max_files"))
-    return split.train, split.val
-
-
 def train(cfg: DraftTrainConfig, target_dir: Path, out: Path) -> dict:
     device = pick_device(cfg.device)
     setup_threads(device, cfg.threads)
@@ -215,8 +209,6 @@ def train(cfg: DraftTrainConfig, target_dir: Path, out: Path) -> dict:
     write_json(out / "train_log.json", {**log, "config": dataclasses.asdict(cfg),
                                         "curves": curves})
     if cfg.eval_prompts:
-        from tpserve.train.evaluate import accept_eval, eval_prompts
-
         prompts = eval_prompts(tok, val_files, cfg.eval_prompts, cfg.seed + 1)
         log["eval"] = accept_eval(target_dir, out, prompts, cfg.eval_tokens, cfg.device)
         write_json(out / "eval.json", log["eval"])
@@ -246,4 +238,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(exit_code_of(main))

@@ -8,6 +8,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from tpserve.errors import ConfigError
 from tpserve.train.draft_model import Eagle3Trainable
 from tpserve.train.eagle_data import DraftVocab
 
@@ -22,8 +23,8 @@ def default_aux_ids(num_layers: int) -> tuple[int, ...]:
     if len(set(ids)) == 3 and all(0 <= i <= num_layers - 2 for i in ids):
         return tuple(sorted(ids))
     if num_layers < 4:
-        raise SystemExit(f"error: EAGLE-3 needs a target with at least 4 layers "
-                         f"(got {num_layers})")
+        raise ConfigError(f"EAGLE-3 needs a target with at least 4 layers (got {num_layers})",
+                          flag="--target")
     return (0, (num_layers - 2) // 2, num_layers - 2)
 
 

@@ -13,6 +13,7 @@ import argparse
 import json
 import os
 import random
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,8 +22,9 @@ from tokenizers import Tokenizer
 
 from tpserve.args import ServerArgs
 from tpserve.engine.sampling_params import SamplingParams
+from tpserve.errors import exit_code_of
 from tpserve.offline import OfflineEngine
-from tpserve.train.corpus import read_text
+from tpserve.train.corpus import heldout_files, read_text
 
 
 @dataclass(frozen=True)
@@ -70,7 +72,7 @@ def accept_eval(target: Path, draft: Path, prompts: list[list[int]], max_tokens:
     engine = OfflineEngine(engine_args(target, draft, setting, device))
     params = SamplingParams(max_new_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     outs = engine.generate(prompts, params)
-    spec = engine.engine.stats.extra.get("spec", {})
+    spec = engine.spec.snapshot() if engine.spec is not None else {}
     engine.close()
     per_request = [o.meta.get("spec_accept_length", 0.0) for o in outs]
     return {"setting": setting.label, "prompts": len(prompts),
@@ -144,8 +146,6 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--cpu-threads", type=int, default=None)
     parser.add_argument("--json", type=Path, default=None)
     ns = parser.parse_args(argv)
-    from tpserve.train.eagle3 import heldout_files
-
     tok = Tokenizer.from_file(str(ns.target / "tokenizer.json"))
     prompts = eval_prompts(tok, heldout_files(ns.target, 0)[1], ns.prompts, seed=7)
     rows = bench(ns.target, ns.draft, prompts, ns.max_tokens, DEFAULT_SETTINGS,
@@ -157,4 +157,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(exit_code_of(main))

@@ -11,11 +11,13 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from tpserve.errors import exit_code_of
 from tpserve.train.common import (
     Budget,
     Timer,
@@ -195,4 +197,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(exit_code_of(main))

@@ -1,8 +1,8 @@
 """The fixed-shape forwards that CUDA graphs capture and torch.compile compiles.
 
-A ``Phase`` is a pure function of a padded ``ForwardBatch`` plus per-row extra inputs, with
+A ``StaticForward`` is a pure function of a padded ``ForwardBatch`` plus per-row extra inputs, with
 every output flattened to [B * Q, ...] rows so an executor can pad, run, and slice the real
-rows back out. The three phases are the hot loops of decoding:
+rows back out. The three static forwards are the hot loops of decoding:
 
 - ``decode``: target forward over one token per request -> logits, final hidden;
 - ``draft``: one EAGLE-3 draft step over K beam nodes -> draft output, draft log-probs;
@@ -10,11 +10,12 @@ rows back out. The three phases are the hot loops of decoding:
 
 Executors (``graphs.CudaGraphExecutor``, ``compiled.CompiledExecutor``) share the
 ``StaticExecutor`` protocol; ``run`` returns None when no bucket fits (the caller then runs
-the same phase eagerly, which is also how the reference outputs in tests are produced).
+the same forward eagerly, which is also how the reference outputs in tests are produced).
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -24,14 +25,16 @@ import torch
 from tpserve.engine.buckets import pad_rows
 from tpserve.engine.forward_batch import ForwardBatch
 
-PhaseFn = Callable[[ForwardBatch, dict[str, torch.Tensor]], tuple[torch.Tensor, ...]]
+log = logging.getLogger(__name__)
+
+ForwardFn = Callable[[ForwardBatch, dict[str, torch.Tensor]], tuple[torch.Tensor, ...]]
 
 
 @dataclass(frozen=True)
-class Phase:
+class StaticForward:
     name: str
     queries: int  # Q: tokens per request row
-    fn: PhaseFn
+    fn: ForwardFn
     # extra input name -> (trailing shape after [B, Q], dtype); padded rows are zeros
     extras: dict[str, tuple[tuple[int, ...], torch.dtype]] = field(default_factory=dict)
 
@@ -39,46 +42,58 @@ class Phase:
 class StaticExecutor(Protocol):
     info: dict[str, Any]  # capture / compile report, merged into /get_server_info
 
-    def run(self, phase: str, fb: ForwardBatch,
+    def run(self, name: str, fb: ForwardBatch,
             extras: dict[str, torch.Tensor]) -> tuple[torch.Tensor, ...] | None: ...
 
 
-def decode_phase(model: Any, kv_layers: list[Any]) -> Phase:
+def decode_forward(model: Any, kv_layers: list[Any]) -> StaticForward:
     def decode(fb: ForwardBatch, extras: dict[str, torch.Tensor]) -> tuple[torch.Tensor, ...]:
         hidden, _ = model(fb, kv_layers)
         return model.logits(hidden), hidden
 
-    return Phase("decode", 1, decode)
+    return StaticForward("decode", 1, decode)
 
 
-def verify_phase(model: Any, kv_layers: list[Any], draft: Any, aux_sorted: tuple[int, ...],
-                 aux_order: list[int], num_nodes: int) -> Phase:
+def verify_forward(model: Any, kv_layers: list[Any], draft: Any, aux_sorted: tuple[int, ...],
+                   aux_order: list[int], num_nodes: int) -> StaticForward:
     def verify(fb: ForwardBatch, extras: dict[str, torch.Tensor]) -> tuple[torch.Tensor, ...]:
         hidden, aux = model(fb, kv_layers, aux_sorted)
         feats = draft.project(torch.cat([aux[i] for i in aux_order], dim=-1))
         return model.logits(hidden), feats
 
-    return Phase("verify", num_nodes, verify)
+    return StaticForward("verify", num_nodes, verify)
 
 
-def draft_phase(draft: Any, embed: Any, cache: Any, topk: int, hidden_size: int,
-                dtype: torch.dtype) -> Phase:
+def draft_forward(draft: Any, embed: Any, cache: Any, topk: int, hidden_size: int,
+                  dtype: torch.dtype) -> StaticForward:
     def draft_step(fb: ForwardBatch, extras: dict[str, torch.Tensor]) -> tuple[torch.Tensor, ...]:
         hidden = extras["hidden"].reshape(-1, hidden_size)
         out = draft(embed(fb.input_ids.reshape(-1)), hidden, fb, cache)
         return out, torch.log_softmax(draft.logits(out), dim=-1)
 
-    return Phase("draft", topk, draft_step, {"hidden": ((hidden_size,), dtype)})
+    return StaticForward("draft", topk, draft_step, {"hidden": ((hidden_size,), dtype)})
 
 
-def run_phase(executor: StaticExecutor | None, phase: Phase, fb: ForwardBatch,
-              extras: dict[str, torch.Tensor]) -> tuple[torch.Tensor, ...]:
-    """The executor's fixed-shape run when a bucket fits, else the eager phase."""
-    if executor is not None:
-        out = executor.run(phase.name, fb, extras)
-        if out is not None:
-            return out
-    return phase.fn(fb, extras)
+def run_static(executor: StaticExecutor | None, forward: StaticForward, fb: ForwardBatch,
+               extras: dict[str, torch.Tensor]) -> tuple[torch.Tensor, ...]:
+    """The executor's fixed-shape run when a bucket fits, else the eager forward.
+
+    Every run is counted in the executor's report (``static_runs`` / ``eager_fallbacks`` per
+    forward), and the first fallback of each forward is logged: a batch that silently runs
+    eagerly is a speed the user asked for and did not get.
+    """
+    if executor is None:
+        return forward.fn(fb, extras)
+    out = executor.run(forward.name, fb, extras)
+    counts = executor.info.setdefault("static_runs" if out is not None else "eager_fallbacks", {})
+    counts[forward.name] = counts.get(forward.name, 0) + 1
+    if out is not None:
+        return out
+    if counts[forward.name] == 1:
+        log.warning("'%s' ran eagerly: no captured/compiled bucket fits batch %d x %d queries "
+                    "(buckets: %s); counted in eager_fallbacks", forward.name, fb.batch_size,
+                    fb.num_queries, executor.info.get("batch_sizes"))
+    return forward.fn(fb, extras)
 
 
 def pad_extras(extras: dict[str, torch.Tensor], batch: int) -> dict[str, torch.Tensor]:

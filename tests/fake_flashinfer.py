@@ -1,0 +1,131 @@
+"""A CPU stand-in for the parts of ``flashinfer`` the backend calls, from FlashInfer's documented
+semantics, so the backend's glue (page layout, query alignment, window offsets, tree masks,
+log-sum-exp merge) is tested where no GPU is. The GPU tests check the real library.
+
+Semantics modelled: NHD paged caches [pages, page_size, Hk, D]; a request's keys are its pages
+in indptr order, the last one filled to last_page_len; query i of a request with qo_len queries
+and kv_len keys sits at position kv_len - qo_len + i; causal hides keys after it, window_left
+w >= 0 hides keys before position - w; a custom mask is each request's [qo_len, kv_len] block,
+row-major, concatenated; lse is base 2.
+"""
+
+from __future__ import annotations
+
+import math
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+
+
+def _attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, visible: torch.Tensor,
+            scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [Q, Hq, D], keys/values [T, Hk, D], visible [Q, T] -> out [Q, Hq, D], lse2 [Q, Hq]."""
+    group = q.shape[1] // max(keys.shape[1], 1)
+    k = keys.float().repeat_interleave(group, 1)
+    v = values.float().repeat_interleave(group, 1)
+    scores = torch.einsum("qhd,thd->qht", q.float(), k) * scale
+    scores = scores.masked_fill(~visible[:, None, :], float("-inf"))
+    lse = torch.logsumexp(scores, -1)  # -inf where nothing is visible
+    probs = torch.softmax(scores, -1).nan_to_num(0.0)
+    return torch.einsum("qht,thd->qhd", probs, v).to(q.dtype), lse / math.log(2)
+
+
+class _Wrapper:
+    def __init__(self, workspace: torch.Tensor, layout: str = "NHD", **_: Any) -> None:
+        assert layout == "NHD"
+        self.plan_args: dict[str, Any] = {}
+
+    def _visible(self, b: int, qo_len: int, kv_len: int, mask_at: int) -> torch.Tensor:
+        a = self.plan_args
+        pos = kv_len - qo_len + torch.arange(qo_len)[:, None]
+        t = torch.arange(kv_len)[None, :]
+        vis = torch.ones(qo_len, kv_len, dtype=torch.bool)
+        if a.get("custom_mask") is not None:
+            vis = a["custom_mask"][mask_at:mask_at + qo_len * kv_len].view(qo_len, kv_len).cpu()
+        elif a.get("causal", False):
+            vis = t <= pos
+        if a.get("window_left", -1) >= 0:
+            vis = vis & (t >= pos - a["window_left"])
+        return vis
+
+    def _run(self, q: torch.Tensor, kv: list[tuple[torch.Tensor, torch.Tensor]],
+             qo_indptr: list[int], return_lse: bool) -> Any:
+        outs, lses, mask_at = [], [], 0
+        for b, (keys, values) in enumerate(kv):
+            rows = q[qo_indptr[b]:qo_indptr[b + 1]]
+            vis = self._visible(b, rows.shape[0], keys.shape[0], mask_at)
+            mask_at += rows.shape[0] * keys.shape[0]
+            out, lse = _attend(rows, keys, values, vis, self.plan_args["sm_scale"])
+            outs.append(out)
+            lses.append(lse)
+        out, lse = torch.cat(outs), torch.cat(lses)
+        return (out, lse) if return_lse else out
+
+
+class _Paged(_Wrapper):
+    def _plan_paged(self, indptr: torch.Tensor, indices: torch.Tensor, last: torch.Tensor,
+                    page_size: int, **kwargs: Any) -> None:
+        self.plan_args = dict(indptr=indptr.tolist(), indices=indices.tolist(),
+                              last=last.tolist(), page_size=page_size, **kwargs)
+
+    def _keys(self, cache: tuple[torch.Tensor, torch.Tensor]) -> list[tuple[torch.Tensor, ...]]:
+        a, out = self.plan_args, []
+        for b in range(len(a["indptr"]) - 1):
+            pages = a["indices"][a["indptr"][b]:a["indptr"][b + 1]]
+            n = (len(pages) - 1) * a["page_size"] + a["last"][b] if pages else 0
+            out.append(tuple(c[pages].reshape(-1, *c.shape[2:])[:n] for c in cache))
+        return out
+
+
+class BatchDecodeWithPagedKVCacheWrapper(_Paged):
+    def plan(self, indptr: torch.Tensor, indices: torch.Tensor, last: torch.Tensor,
+             num_qo_heads: int, num_kv_heads: int, head_dim: int, page_size: int,
+             **kwargs: Any) -> None:
+        self._plan_paged(indptr, indices, last, page_size, **kwargs)
+
+    def run(self, q: torch.Tensor, cache: tuple[torch.Tensor, torch.Tensor],
+            return_lse: bool = False) -> Any:
+        return self._run(q, self._keys(cache), list(range(q.shape[0] + 1)), return_lse)
+
+
+class BatchPrefillWithPagedKVCacheWrapper(_Paged):
+    def plan(self, qo_indptr: torch.Tensor, indptr: torch.Tensor, indices: torch.Tensor,
+             last: torch.Tensor, num_qo_heads: int, num_kv_heads: int, head_dim: int,
+             page_size: int, **kwargs: Any) -> None:
+        self._plan_paged(indptr, indices, last, page_size, qo_indptr=qo_indptr.tolist(),
+                         **kwargs)
+
+    def run(self, q: torch.Tensor, cache: tuple[torch.Tensor, torch.Tensor],
+            return_lse: bool = False) -> Any:
+        return self._run(q, self._keys(cache), self.plan_args["qo_indptr"], return_lse)
+
+
+class BatchPrefillWithRaggedKVCacheWrapper(_Wrapper):
+    def plan(self, qo_indptr: torch.Tensor, kv_indptr: torch.Tensor, num_qo_heads: int,
+             num_kv_heads: int, head_dim: int, **kwargs: Any) -> None:
+        self.plan_args = dict(qo_indptr=qo_indptr.tolist(), kv_indptr=kv_indptr.tolist(),
+                              **kwargs)
+
+    def run(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+            return_lse: bool = False) -> Any:
+        ptr = self.plan_args["kv_indptr"]
+        kv = [(k[ptr[b]:ptr[b + 1]], v[ptr[b]:ptr[b + 1]]) for b in range(len(ptr) - 1)]
+        return self._run(q, kv, self.plan_args["qo_indptr"], return_lse)
+
+
+def merge_state(va: torch.Tensor, sa: torch.Tensor, vb: torch.Tensor,
+                sb: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    top = torch.maximum(sa, sb)
+    wa, wb = torch.exp2(sa - top).nan_to_num(0.0), torch.exp2(sb - top).nan_to_num(0.0)
+    total = wa + wb
+    v = (va.float() * wa[..., None] + vb.float() * wb[..., None]) / total[..., None]
+    return v.to(va.dtype), top + torch.log2(total)
+
+
+def module() -> SimpleNamespace:
+    return SimpleNamespace(
+        BatchDecodeWithPagedKVCacheWrapper=BatchDecodeWithPagedKVCacheWrapper,
+        BatchPrefillWithPagedKVCacheWrapper=BatchPrefillWithPagedKVCacheWrapper,
+        BatchPrefillWithRaggedKVCacheWrapper=BatchPrefillWithRaggedKVCacheWrapper,
+        merge_state=merge_state)

@@ -1,0 +1,80 @@
+"""What every rank does with each step message (rank 0 runs the same code for its own shard).
+
+Followers loop in ``follow``: receive a message, dispatch on its type, repeat until
+``Shutdown``. Their allreduces pair with rank 0's because every rank executes the same
+messages in the same order.
+"""
+
+from __future__ import annotations
+
+from contextlib import AbstractContextManager, nullcontext
+from typing import Any, Protocol
+
+from tpserve.dist import CommSwitch
+from tpserve.engine.admin import apply_change
+from tpserve.engine.messages import (
+    ConfigChange,
+    ForwardStep,
+    Shutdown,
+    SpecCommit,
+    SpecStep,
+    StepMessage,
+    decode,
+)
+from tpserve.engine.runner import ForwardOutput, ModelRunner
+from tpserve.spec.decoder import SpecDecoder
+from tpserve.spec.drafter import PhaseScope
+
+
+class Channel(Protocol):
+    def send(self, obj: Any) -> None: ...
+
+    def recv(self) -> Any: ...
+
+
+def run_forward(runner: ModelRunner, spec: SpecDecoder | None, step: ForwardStep) -> ForwardOutput:
+    """A forward step; with a draft loaded it also feeds the draft (so speculation can be
+    switched on live for requests that are already running)."""
+    if step.feed is not None:
+        if spec is None:
+            raise RuntimeError("a step fed the draft, but this rank has no draft model")
+        return spec.feed(step)
+    return runner.forward(step, step.logit_rows)
+
+
+def tag_allreduces(comm: CommSwitch | None) -> PhaseScope:
+    """A follower's phase scope: it only tags its allreduces (rank 0 does the timing)."""
+    def scope(name: str) -> AbstractContextManager[None]:
+        if comm is not None:
+            comm.set_phase(name)
+        return nullcontext()
+
+    return scope
+
+
+def receive(channel: Channel) -> StepMessage:
+    return decode(channel.recv())
+
+
+def follow(runner: ModelRunner, channel: Channel, spec: SpecDecoder | None = None) -> None:
+    """Non-zero ranks: execute messages until rank 0 sends ``Shutdown``."""
+    scope = tag_allreduces(runner.comm)
+    while True:
+        msg = receive(channel)
+        if isinstance(msg, Shutdown):
+            return
+        if isinstance(msg, ForwardStep):
+            run_forward(runner, spec, msg)
+        elif isinstance(msg, SpecStep):
+            if spec is None:
+                raise RuntimeError("a speculative step arrived, but this rank has no draft")
+            verified = spec.run(msg, scope)
+            commit = receive(channel)
+            if not isinstance(commit, SpecCommit):
+                raise RuntimeError(f"expected SpecCommit after SpecStep, got "
+                                   f"{type(commit).__name__}")
+            spec.commit(msg, commit, verified)
+        elif isinstance(msg, ConfigChange):
+            apply_change(msg, runner.comm, runner.static, spec)
+        else:
+            raise RuntimeError(f"unexpected step message {type(msg).__name__}")

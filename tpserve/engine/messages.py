@@ -1,0 +1,164 @@
+"""The messages rank 0 sends every other rank, one dataclass per kind, and their byte codec.
+
+A follower learns what to do only from these: it dispatches on the message's type
+(``Follower.handle``), so what travels between ranks is defined here and nowhere else. The set
+is closed (``StepMessage``); adding a kind means adding it to ``MESSAGE_TYPES`` too.
+
+Messages carry compact integers (tokens, lengths, page tables); each rank expands them into
+tensors itself, so a message stays a few hundred bytes whatever the context length.
+The codec writes numpy arrays as raw bytes behind a small header (no pickling of classes):
+what a rank receives is exactly the fields below, nothing executable.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import struct
+from dataclasses import dataclass
+from typing import Any, Union
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class DraftFeed:
+    """What a plain forward step tells the speculative decoder when a draft is loaded."""
+
+    keys: np.ndarray  # [B] int64: the decoder's key of each request in the step
+    drop: np.ndarray  # [D] int64: keys of requests that finished (forget their state)
+    prev_tokens: np.ndarray  # flat int64: per request, tokens pairing with held features
+    prev_lens: np.ndarray  # [B] int32: how many of prev_tokens belong to each request
+    fresh: np.ndarray  # [B] bool: the request's first chunk since admission (no draft state)
+
+
+@dataclass(frozen=True)
+class ForwardStep:
+    """A target forward over prompt chunks and/or one decode token per request."""
+
+    token_ids: np.ndarray  # [B, Q] int64, padded with 0
+    q_lens: np.ndarray  # [B] int32: tokens fed this step per request
+    cached_lens: np.ndarray  # [B] int32: tokens already in the cache before this step
+    page_table: np.ndarray  # [B, P] int32: page ids covering cached + q_len tokens
+    logit_rows: np.ndarray  # [K] int64: flat rows (b * Q + q) whose logits are sampled
+    feed: DraftFeed | None = None  # set when a draft model is loaded
+
+
+@dataclass(frozen=True)
+class SpecStep:
+    """A speculative step: extend the draft over pending tokens, draft a tree, verify it."""
+
+    token_ids: np.ndarray  # [B, M] int64: tokens whose draft KV is not yet written
+    q_lens: np.ndarray  # [B] int32
+    cached_lens: np.ndarray  # [B] int32: sequence length minus the pending tokens
+    page_table: np.ndarray  # [B, P] int32
+    keys: np.ndarray  # [B] int64
+    drop: np.ndarray  # [D] int64
+
+
+@dataclass(frozen=True)
+class SpecCommit:
+    """The accepted path through each request's verified tree (rank 0 decides)."""
+
+    nodes: np.ndarray  # flat int64: accepted node indices, root first, request by request
+    lens: np.ndarray  # [B] int32
+
+    def paths(self) -> list[list[int]]:
+        ends = np.cumsum(self.lens)
+        return [self.nodes[e - n : e].tolist() for e, n in zip(ends, self.lens, strict=True)]
+
+    @staticmethod
+    def of(paths: list[list[int]]) -> SpecCommit:
+        flat = [n for p in paths for n in p]
+        return SpecCommit(np.array(flat, dtype=np.int64),
+                          np.array([len(p) for p in paths], dtype=np.int32))
+
+
+@dataclass(frozen=True)
+class SpecSettings:
+    enabled: bool
+    num_steps: int
+    topk: int
+    num_draft_tokens: int
+
+
+@dataclass(frozen=True)
+class ConfigChange:
+    """A live change every rank applies between the same two steps."""
+
+    allreduce: str | None = None
+    speculative: SpecSettings | None = None
+
+
+@dataclass(frozen=True)
+class Shutdown:
+    """Leave the follower loop and exit."""
+
+
+StepMessage = Union[ForwardStep, SpecStep, SpecCommit, ConfigChange, Shutdown]  # noqa: UP007
+MESSAGE_TYPES: tuple[type, ...] = (ForwardStep, SpecStep, SpecCommit, ConfigChange, Shutdown,
+                                   DraftFeed, SpecSettings)
+_TYPE_INDEX = {t: i for i, t in enumerate(MESSAGE_TYPES)}
+_DTYPES = ("int64", "int32", "bool", "float32")
+
+
+def encode(msg: StepMessage) -> bytes:
+    out = bytearray()
+    _put(out, msg)
+    return bytes(out)
+
+
+def decode(data: bytes) -> StepMessage:
+    value, end = _get(memoryview(data), 0)
+    if end != len(data):
+        raise ValueError(f"trailing bytes in step message ({len(data) - end})")
+    return value
+
+
+def _put(out: bytearray, value: Any) -> None:
+    if value is None:
+        out += b"N"
+    elif isinstance(value, np.ndarray):
+        arr = np.ascontiguousarray(value)
+        out += b"A" + struct.pack("<BB", _DTYPES.index(str(arr.dtype)), arr.ndim)
+        out += struct.pack(f"<{arr.ndim}q", *arr.shape) + arr.tobytes()
+    elif isinstance(value, bool):
+        out += b"B" + struct.pack("<?", value)
+    elif isinstance(value, int):
+        out += b"I" + struct.pack("<q", value)
+    elif isinstance(value, str):
+        raw = value.encode()
+        out += b"S" + struct.pack("<I", len(raw)) + raw
+    elif type(value) in _TYPE_INDEX:
+        out += b"D" + struct.pack("<B", _TYPE_INDEX[type(value)])
+        for f in dataclasses.fields(value):
+            _put(out, getattr(value, f.name))
+    else:
+        raise TypeError(f"cannot encode {type(value).__name__} in a step message")
+
+
+def _get(buf: memoryview, at: int) -> tuple[Any, int]:
+    tag, at = bytes(buf[at : at + 1]), at + 1
+    if tag == b"N":
+        return None, at
+    if tag == b"A":
+        dtype, ndim = struct.unpack_from("<BB", buf, at)
+        shape = struct.unpack_from(f"<{ndim}q", buf, at + 2)
+        at += 2 + 8 * ndim
+        count = int(np.prod(shape)) if ndim else 1
+        arr = np.frombuffer(buf, dtype=_DTYPES[dtype], count=count, offset=at).reshape(shape)
+        return arr.copy(), at + arr.nbytes
+    if tag == b"B":
+        return struct.unpack_from("<?", buf, at)[0], at + 1
+    if tag == b"I":
+        return struct.unpack_from("<q", buf, at)[0], at + 8
+    if tag == b"S":
+        (n,) = struct.unpack_from("<I", buf, at)
+        return bytes(buf[at + 4 : at + 4 + n]).decode(), at + 4 + n
+    if tag == b"D":
+        cls = MESSAGE_TYPES[buf[at]]
+        at += 1
+        values = {}
+        for f in dataclasses.fields(cls):
+            values[f.name], at = _get(buf, at)
+        return cls(**values), at
+    raise ValueError(f"corrupt step message (tag {tag!r})")

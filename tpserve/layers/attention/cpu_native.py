@@ -1,0 +1,98 @@
+"""Builds and loads ``tpserve::paged_attention`` (cpu_attention.cpp + paged_attention.c).
+
+Built at first use with the host C++ compiler against the installed torch's headers (cached
+by ``native_build`` per source, flags, compiler and CPU, so the AVX-512 or AVX2 path is the one
+this machine runs). Where torch's intra-op pool is OpenMP the library is compiled with
+``-fopenmp``: it then links the ``libgomp.so.1`` torch has already loaded (same soname), so
+its work items run on torch's threads; without OpenMP it runs on the calling thread.
+``TPSERVE_CPU_ATTENTION=0`` turns the op off (the ``cpu`` backend then reports why).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from functools import cache
+from pathlib import Path
+
+import torch
+import torch.utils.cpp_extension
+
+from comm_backends.native_build import FLAGS, NativeBuildError, build, compiler
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("cpu_attention.cpp")
+KERNEL = tuple(Path(__file__).with_name(n) for n in ("paged_attention.c", "attn_simd.h",
+                                                       "attn_rows.h"))
+
+
+@dataclass(frozen=True)
+class NativeAttention:
+    reason: str  # '' when the op is loaded and has a vector path
+    lanes: int  # fp32 lanes of the loaded build (16 AVX-512, 8 AVX2), 0 when not loaded
+    threaded: bool  # compiled with OpenMP (work items run on torch's threads)
+
+    @property
+    def head_dim_multiple(self) -> int:
+        return 2 * self.lanes
+
+
+def _openmp_torch() -> bool:
+    return "ATen parallel backend: OpenMP" in torch.__config__.parallel_info()
+
+
+def _flags(openmp: bool) -> list[str]:
+    abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
+    return [*FLAGS, "-std=c++20", f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
+            f"-DTPSERVE_TORCH_VERSION=\"{torch.__version__}\"",
+            *(["-fopenmp"] if openmp else []),
+            *(f"-I{p}" for p in torch.utils.cpp_extension.include_paths())]
+
+
+def _libs() -> list[str]:
+    return [f"-L{Path(torch.__file__).parent / 'lib'}", "-lc10", "-ltorch_cpu"]
+
+
+def _build_and_load() -> tuple[str, bool]:
+    """Load the op; returns ('' or why not, whether it is threaded)."""
+    if os.environ.get("TPSERVE_CPU_ATTENTION", "1") == "0":
+        return "disabled by TPSERVE_CPU_ATTENTION=0", False
+    cxx = compiler(cxx=True)
+    if cxx is None:
+        return "no C++ compiler found (set CXX)", False
+    failure = ""
+    for openmp in ((True, False) if _openmp_torch() else (False,)):
+        try:
+            path = build(SOURCE, cxx, _flags(openmp), KERNEL, _libs())
+            torch.ops.load_library(str(path))
+            return "", openmp
+        except (NativeBuildError, OSError) as exc:
+            failure = str(exc)
+            log.info("paged attention build (openmp=%s) failed: %s", openmp, exc)
+    return failure, False
+
+
+def _register_fake() -> None:
+    @torch.library.register_fake("tpserve::paged_attention")
+    def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+          v_cache: torch.Tensor, page_table: torch.Tensor, q_indptr: torch.Tensor,
+          kv_lens: torch.Tensor, write_slots: torch.Tensor, mask_start: torch.Tensor | None,
+          custom_mask: torch.Tensor | None, page_size: int, window: int,
+          scale: float) -> torch.Tensor:
+        return q.new_empty(q.shape[0], q.shape[1] * q.shape[2])
+
+
+@cache
+def load() -> NativeAttention:
+    """Build and register the op once per process (idempotent)."""
+    reason, threaded = _build_and_load()
+    if reason:
+        log.warning("native CPU attention unavailable (%s)", reason)
+        return NativeAttention(reason, 0, False)
+    lanes = int(torch.ops.tpserve.paged_attention_lanes())
+    if lanes == 0:
+        return NativeAttention("this CPU has neither AVX-512 nor AVX2+FMA+F16C", 0, threaded)
+    _register_fake()
+    return NativeAttention("", lanes, threaded)

@@ -1,0 +1,120 @@
+"""The per-step attention metadata: a ragged batch over the paged KV cache, built once per step.
+
+Request b owns query rows ``q_indptr[b]:q_indptr[b + 1]`` of q (decode tokens and prefill
+chunks mix without padding) and ``kv_lens[b]`` keys after this step's write (cached + new);
+its new tokens are the last ``q_len`` of them, so query j sits at logical index
+``kv_lens[b] - q_len + j`` and is written to slot ``page * page_size + offset`` of that index.
+Without a custom mask attention is causal by logical index. With one (speculative steps), keys
+below ``mask_start[b]`` are visible to every query of b, keys in
+``[mask_start, mask_start + M)`` per ``custom_mask[b, j, key - mask_start]``, later keys to
+none. A sliding window (the backend's spec) hides keys at or below ``query - window``.
+
+Everything here is O(batch + query rows) on top of the page table itself: nothing grows with
+context length.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+ArrayLike = np.ndarray | torch.Tensor
+
+
+@dataclass(frozen=True)
+class HostLayout:
+    """CPU copies of the small vectors, for backends that plan on the host (FlashInfer)."""
+
+    q_indptr: np.ndarray  # [B + 1] int32
+    kv_lens: np.ndarray  # [B] int32
+    page_table: np.ndarray  # [B, P] int32
+    mask_start: np.ndarray | None  # [B] int32
+
+
+@dataclass(frozen=True)
+class AttentionMetadata:
+    page_table: torch.Tensor  # [B, P] int32 page ids; page 0 is the dummy page
+    q_indptr: torch.Tensor  # [B + 1] int32
+    kv_lens: torch.Tensor  # [B] int32, keys readable after this step's write
+    write_slots: torch.Tensor  # [N] int64, cache slot of each query row's new key/value
+    page_size: int
+    max_q_len: int
+    max_kv_len: int
+    host: HostLayout
+    mask_start: torch.Tensor | None = None  # [B] int32
+    custom_mask: torch.Tensor | None = None  # [B, max_q_len or more, M] bool
+
+    @property
+    def batch_size(self) -> int:
+        return int(self.kv_lens.shape[0])
+
+    @property
+    def num_rows(self) -> int:
+        return int(self.write_slots.shape[0])
+
+    @property
+    def is_decode(self) -> bool:
+        """One query per request and a plain causal mask."""
+        return self.max_q_len <= 1 and self.custom_mask is None
+
+
+def _int32(x: ArrayLike) -> np.ndarray:
+    arr = x.cpu().numpy() if isinstance(x, torch.Tensor) else np.asarray(x)
+    return np.ascontiguousarray(arr, dtype=np.int32)
+
+
+def write_slots_for(page_table: np.ndarray, q_lens: np.ndarray, kv_lens: np.ndarray,
+                    page_size: int) -> np.ndarray:
+    """Slots of each request's last ``q_len`` logical indices, request-major: [sum q_lens]."""
+    rows = np.repeat(np.arange(len(q_lens)), q_lens)
+    starts = np.cumsum(q_lens) - q_lens
+    logical = (kv_lens - q_lens)[rows] + np.arange(len(rows)) - starts[rows]
+    pages = page_table[rows, logical // page_size].astype(np.int64)
+    return pages * page_size + logical % page_size
+
+
+def _check(page_table: np.ndarray, q_lens: np.ndarray, kv_lens: np.ndarray, page_size: int,
+           mask_start: np.ndarray | None, custom_mask: torch.Tensor | None) -> None:
+    batch = (page_table.shape[0],) if page_table.ndim == 2 else None
+    if batch is None or q_lens.shape != batch or kv_lens.shape != batch:
+        raise ValueError(f"page_table {page_table.shape}, q_lens {q_lens.shape} and kv_lens "
+                         f"{kv_lens.shape} must agree on the batch size")
+    if (q_lens < 0).any() or (q_lens > kv_lens).any():
+        raise ValueError("every request needs 0 <= q_len <= kv_len")
+    if len(kv_lens) and int((-(-kv_lens // page_size)).max()) > page_table.shape[1]:
+        raise ValueError("a request has more keys than its page table covers")
+    if (mask_start is None) != (custom_mask is None):
+        raise ValueError("mask_start and custom_mask go together")
+    if custom_mask is not None:
+        shape = tuple(custom_mask.shape)
+        if len(shape) != 3 or shape[0] != len(q_lens) or (len(q_lens) and shape[1] < q_lens.max()):
+            raise ValueError(f"custom_mask {shape} must be [batch, >= max q_len, M]")
+
+
+def build_metadata(page_table: ArrayLike, q_lens: ArrayLike, kv_lens: ArrayLike, page_size: int,
+                   device: torch.device, mask_start: ArrayLike | None = None,
+                   custom_mask: torch.Tensor | None = None) -> AttentionMetadata:
+    """Once per step, from host data: ``page_table`` [B, P] page ids, ``q_lens`` [B] new tokens
+    per request, ``kv_lens`` [B] keys after the write; for speculative steps ``mask_start`` [B]
+    and ``custom_mask`` [B, Qmax, M] bool (see the module docstring)."""
+    pages, q, kv = _int32(page_table), _int32(q_lens), _int32(kv_lens)
+    start = None if mask_start is None else _int32(mask_start)
+    _check(pages, q, kv, page_size, start, custom_mask)
+    indptr = np.zeros(len(q) + 1, dtype=np.int32)
+    np.cumsum(q, out=indptr[1:])
+    slots = write_slots_for(pages, q, kv, page_size)
+    host = HostLayout(indptr, kv, pages, start)
+
+    def dev(a: np.ndarray) -> torch.Tensor:
+        t = torch.from_numpy(a)
+        return t if device.type == "cpu" else t.to(device, non_blocking=True)
+
+    return AttentionMetadata(
+        page_table=dev(pages), q_indptr=dev(indptr), kv_lens=dev(kv), write_slots=dev(slots),
+        page_size=page_size, max_q_len=int(q.max()) if len(q) else 0,
+        max_kv_len=int(kv.max()) if len(kv) else 0, host=host,
+        mask_start=None if start is None else dev(start),
+        custom_mask=None if custom_mask is None else custom_mask.to(device, torch.bool).contiguous(),
+    )

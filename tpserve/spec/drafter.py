@@ -1,0 +1,214 @@
+"""The tensor work of EAGLE-3 speculation, done identically on every rank.
+
+State kept per request (keyed by an integer rank 0 assigns): the draft features (``fc`` of
+the target's aux states) for the last tokens whose draft KV is not yet written. The draft row
+for token t pairs embed(token t) with the feature of position t - 1 and is stored at draft KV
+index t - 1, so the draft KV shares the request's page table.
+
+One speculative step over a decode batch, with L = seq_len and the root = token L - 1:
+1. draft extend over the pending tokens (writes committed draft KV, ends at the root's row);
+2. drafting: a tree of N nodes (identical on every rank, no communication);
+3. verify: one target forward over the tree (tree mask, depth positions) with aux states;
+4. after rank 0 has chosen the accepted paths: move the accepted nodes' target KV to
+   consecutive slots and keep the path's features as the new pending rows (their draft KV
+   is written by the next step's extend).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from tpserve.engine.forward_batch import ForwardBatch
+from tpserve.engine.kv_cache import KVCache
+from tpserve.engine.messages import ForwardStep, SpecStep
+from tpserve.engine.plan import Layout, build_forward_batch
+from tpserve.engine.runner import ForwardOutput, ModelRunner
+from tpserve.engine.static_forward import draft_forward, run_static, verify_forward
+from tpserve.models.eagle3 import Eagle3Draft
+from tpserve.spec.config import SpecConfig
+from tpserve.spec.eagle import draft_tree
+from tpserve.spec.tree import DraftTree, slots
+
+# Enters a named part of the step: tags its allreduces (and times it on rank 0).
+PhaseScope = Callable[[str], AbstractContextManager[None]]
+
+
+@dataclass
+class Verified:
+    tree: DraftTree
+    logits: torch.Tensor  # [B, N, V]
+    features: torch.Tensor  # [B, N, H] fc'd target features of every node
+    pages: torch.Tensor
+    committed: torch.Tensor  # [B] target KV length before the step (= L - 1)
+
+
+class Drafter:
+    def __init__(self, runner: ModelRunner, draft: Eagle3Draft, draft_kv: KVCache,
+                 cfg: SpecConfig, aux_layers: tuple[int, ...]) -> None:
+        self.runner, self.draft, self.draft_kv, self.cfg = runner, draft, draft_kv, cfg
+        # Our forward returns aux states in layer order; fc wants the config's order.
+        self.aux_sorted = tuple(sorted(aux_layers))
+        self.aux_order = [self.aux_sorted.index(i) for i in aux_layers]
+        self.pending: dict[int, torch.Tensor] = {}
+        self.page_features = torch.zeros(draft_kv.cfg.num_pages, draft.cfg.base.hidden_size,
+                                         dtype=draft.fc.weight.dtype, device=runner.device)
+        self._build_static()
+
+    def _build_static(self) -> None:
+        """The fixed-shape draft and verify forwards (captured / compiled per tree shape)."""
+        model = self.runner.model
+        self.verify_forward = verify_forward(model, self.runner.kv.layers, self.draft,
+                                             self.aux_sorted, self.aux_order,
+                                             self.cfg.num_draft_tokens)
+        self.draft_forward = draft_forward(self.draft, model.embed_tokens,
+                                           self.draft_kv.layers[0], self.cfg.topk,
+                                           self.draft.cfg.base.hidden_size,
+                                           self.draft.fc.weight.dtype)
+
+    def set_tree_shape(self, cfg: SpecConfig) -> None:
+        """A live change of the tree shape: only the draft and verify forwards are rebuilt
+        (and recaptured / recompiled); target decode is unaffected."""
+        if cfg == self.cfg:
+            return
+        self.cfg = cfg
+        self._build_static()
+        refresh = getattr(self.runner.static, "refresh", None)
+        if refresh is not None:
+            refresh([self.verify_forward, self.draft_forward])
+
+    def forget(self, keys: np.ndarray) -> None:
+        for key in keys.tolist():
+            self.pending.pop(key, None)
+
+    def _features(self, aux: list[torch.Tensor]) -> torch.Tensor:
+        return self.draft.project(torch.cat([aux[i] for i in self.aux_order], dim=-1))
+
+    @torch.inference_mode()
+    def feed(self, step: ForwardStep) -> ForwardOutput:
+        """A plain target forward with aux states, then the draft over the same tokens."""
+        assert step.feed is not None
+        feed = step.feed
+        self.forget(feed.drop)
+        out = self.runner.forward(step, step.logit_rows, self.aux_sorted)
+        feats = self._features(out.aux)
+        q_max = step.token_ids.shape[1]
+        prev_ends = np.cumsum(feed.prev_lens)
+        rows, toks, starts = [], [], []
+        for b, key in enumerate(feed.keys.tolist()):
+            q, cached = int(step.q_lens[b]), int(step.cached_lens[b])
+            new = feats[b * q_max : b * q_max + q]
+            chunk = torch.from_numpy(step.token_ids[b, :q]).long()
+            if feed.fresh[b] and cached == 0:  # a new sequence: token 0 has no draft row
+                rows.append(new[: q - 1])
+                toks.append(chunk[1:])
+                starts.append(0)
+            elif feed.fresh[b]:  # starts on cached pages: seed with the last page's feature
+                page = int(step.page_table[b, (cached - 1) // self.draft_kv.cfg.page_size])
+                rows.append(torch.cat([self.page_features[page : page + 1], new[: q - 1]]))
+                toks.append(chunk)
+                starts.append(cached - 1)
+            else:
+                # After a speculative step m > 1 features can be pending (the accepted path);
+                # they pair with the m - 1 tokens before this chunk, which the step carries.
+                held = self.pending[key]
+                end = int(prev_ends[b])
+                prev = torch.from_numpy(feed.prev_tokens[end - int(feed.prev_lens[b]) : end])
+                rows.append(torch.cat([held, new[: q - 1]]))
+                toks.append(torch.cat([prev.long(), chunk]))
+                starts.append(cached - len(held))
+            self.pending[key] = new[q - 1 :]
+        if any(len(t) for t in toks):  # a batch of one-token prompts has nothing to extend
+            self._draft_extend(rows, toks, starts, step.page_table)
+        return out
+
+    def _draft_extend(self, rows: list[torch.Tensor], toks: list[torch.Tensor],
+                      starts: list[int], page_table: np.ndarray) -> torch.Tensor:
+        """Write committed draft KV for ``toks`` (paired with ``rows``); return last outputs."""
+        lens = [len(t) for t in toks]
+        q_max = max(max(lens), 1)
+        batch = len(toks)
+        tokens = np.zeros((batch, q_max), dtype=np.int64)
+        device = self.runner.device
+        feats = torch.zeros(batch, q_max, self.draft.cfg.base.hidden_size,
+                            dtype=self.draft.fc.weight.dtype, device=device)
+        for b, (t, r) in enumerate(zip(toks, rows, strict=True)):
+            tokens[b, : len(t)] = t.numpy()
+            feats[b, : len(t)] = r
+        self._remember_page_ends(rows, starts, page_table)
+        layout = Layout(tokens, np.array(lens, dtype=np.int32), np.array(starts, dtype=np.int32),
+                        page_table)
+        fb = build_forward_batch(layout, self.draft_kv.cfg.page_size, None, device)
+        embeds = self.runner.model.embed_tokens(fb.input_ids.reshape(-1))
+        out = self.draft(embeds, feats.reshape(batch * q_max, -1), fb, self.draft_kv.layers[0])
+        last = torch.tensor([b * q_max + max(n - 1, 0) for b, n in enumerate(lens)],
+                            device=device)
+        return out.index_select(0, last)
+
+    def _remember_page_ends(self, rows: list[torch.Tensor], starts: list[int],
+                            page_table: np.ndarray) -> None:
+        """Keep the feature of each page's last position (see the module docstring)."""
+        ps = self.draft_kv.cfg.page_size
+        for b, (r, start) in enumerate(zip(rows, starts, strict=True)):
+            if start % ps + len(r) < ps:
+                continue  # no page ends inside this run
+            offsets = torch.arange((-(start + 1)) % ps, len(r), ps)
+            pages = torch.from_numpy(page_table[b, (start + offsets.numpy()) // ps]).long()
+            self.page_features[pages.to(self.page_features.device)] = r[offsets.to(r.device)]
+
+    @torch.inference_mode()
+    def run(self, step: SpecStep, phase: PhaseScope) -> Verified:
+        """Draft extend + tree (part "draft"), then the target's verify forward ("verify")."""
+        self.forget(step.drop)
+        with phase("draft"):
+            lens = step.q_lens.tolist()
+            toks = [torch.from_numpy(step.token_ids[b, :n]).long() for b, n in enumerate(lens)]
+            rows = [self.pending[k] for k in step.keys.tolist()]
+            starts = (step.cached_lens - 1).tolist()  # pending feature of token t is at t - 1
+            root_out = self._draft_extend(rows, toks, starts, step.page_table)
+            pages = torch.from_numpy(step.page_table).long()
+            committed = torch.from_numpy(step.cached_lens + step.q_lens - 1).long()
+            roots = torch.tensor([int(step.token_ids[b, n - 1]) for b, n in enumerate(lens)])
+            tree = draft_tree(self.draft, self.runner.model.embed_tokens,
+                              self.draft_kv.layers[0], root_out, roots, pages, committed,
+                              self.cfg, self.draft_kv.cfg.page_size, self._draft_step)
+        with phase("verify"):
+            return self._verify(tree, pages, committed)
+
+    def _draft_step(self, fb: ForwardBatch, hidden: torch.Tensor
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+        out, logp = run_static(self.runner.static, self.draft_forward, fb, {"hidden": hidden})
+        return out, logp
+
+    def _verify(self, tree: DraftTree, pages: torch.Tensor, committed: torch.Tensor) -> Verified:
+        batch, n = tree.tokens.shape
+        layout = Layout(tree.tokens.numpy(), np.full(batch, n, dtype=np.int32),
+                        committed.numpy().astype(np.int32), pages.numpy())
+        model = self.runner.model
+        fb = build_forward_batch(layout, self.runner.page_size, model.cfg.sliding_window,
+                                 self.runner.device, tree_mask=tree.mask, depths=tree.depths)
+        logits, feats = run_static(self.runner.static, self.verify_forward, fb, {})
+        return Verified(tree, logits.view(batch, n, -1), feats.view(batch, n, -1), pages,
+                        committed)
+
+    @torch.inference_mode()
+    def commit(self, keys: np.ndarray, verified: Verified, paths: list[list[int]]) -> None:
+        """Compact accepted target KV to consecutive slots; keep the path's features."""
+        src, dst = [], []
+        for b, (key, path) in enumerate(zip(keys.tolist(), paths, strict=True)):
+            base = int(verified.committed[b])
+            moved = [(base + node, base + i) for i, node in enumerate(path) if node != i]
+            if moved:
+                s, d = zip(*moved, strict=True)
+                page_row = verified.pages[b : b + 1]
+                src.append(slots(page_row, torch.tensor([s]), self.runner.page_size))
+                dst.append(slots(page_row, torch.tensor([d]), self.runner.page_size))
+            self.pending[key] = verified.features[b, path]
+        if src:
+            device = self.runner.device
+            self.runner.kv.move_slots(torch.cat(src, 1)[0].to(device),
+                                      torch.cat(dst, 1)[0].to(device))
