@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import random
 
 import pytest
 import torch
@@ -317,6 +318,16 @@ def test_from_dict_rejects_wrong_types(key: str, value: object) -> None:
         ("min_new_tokens", -1),
         ("logprobs", -1),
         ("logprobs", 21),
+        ("temperature", 101.0),
+        ("temperature", math.inf),
+        ("top_p", math.nan),
+        ("repetition_penalty", math.inf),
+        ("min_new_tokens", 4097),
+        ("seed", 2**64),
+        ("seed", -(2**63) - 1),
+        ("stop", ("x",) * 65),
+        ("stop", ("x" * 257,)),
+        ("stop_token_ids", (1,) * 257),
     ],
 )
 def test_validate_names_the_parameter(field: str, value: object) -> None:
@@ -339,3 +350,77 @@ def test_validate_accepts_defaults_and_edges() -> None:
         logprobs=20,
         max_new_tokens=4096,
     ).validate(vocab_size=100, max_new_tokens_limit=4096)
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "needle"),
+    [
+        ("temperature", 10**400, "finite"),  # float() of this int overflows
+        ("top_p", float("inf"), "finite"),
+        ("stop", ["a"] * 100_000, "at most 64"),
+        ("stop_token_ids", [1] * 100_000, "at most 256"),
+        ("stop", {"x" * 10_000: 1}, "chars)"),  # the echoed value is cut short
+    ],
+)
+def test_from_dict_refuses_extremes_with_a_short_message(key: str, value: object,
+                                                          needle: str) -> None:
+    with pytest.raises(ValueError, match=f"'{key}'") as info:
+        SamplingParams.from_dict({key: value})
+    assert needle in str(info.value) and len(str(info.value)) < 300
+
+
+def test_top_k_beyond_the_vocabulary_samples_the_whole_vocabulary() -> None:
+    logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(0))
+    whole = SamplingParams(temperature=0.9)
+    vocab = dataclasses.replace(whole, top_k=50)
+    assert torch.allclose(target_probs(logits, [vocab] * 3), target_probs(logits, [whole] * 3))
+    for top_k in (51, 2**63, 10**400):
+        huge = dataclasses.replace(whole, top_k=top_k)
+        assert torch.equal(target_probs(logits, [huge] * 3), target_probs(logits, [vocab] * 3))
+        a = sample(logits, [huge] * 3, [make_generator(7, 0)] * 3).tokens
+        b = sample(logits, [vocab] * 3, [make_generator(7, 0)] * 3).tokens
+        assert torch.equal(a, b)
+    assert SamplingParams(top_k=10**400).clamped(50).top_k == 50
+
+
+def test_more_top_logprobs_than_vocabulary() -> None:
+    logits = torch.randn(1, 8, generator=torch.Generator().manual_seed(0))
+    result = sample(logits, [SamplingParams(temperature=0, logprobs=20)], [None])
+    assert result.top_logprobs is not None and len(result.top_logprobs[0]) == 8
+
+
+def test_min_tokens_ignores_ids_outside_the_vocabulary() -> None:
+    params = [SamplingParams(min_new_tokens=2, stop_token_ids=(3, 10**6))]
+    out = apply_min_tokens(torch.zeros(1, 6), params, output_lens=[0], eos_token_ids=[99, 5])
+    assert out[0].isinf().tolist() == [False, False, False, True, False, True]
+
+
+EDGES = {
+    "temperature": [0.0, 1e-5, 0.3, 100.0],
+    "top_p": [1e-300, 0.5, 1.0],
+    "top_k": [-1, 1, 3, 10**400],
+    "min_p": [0.0, 0.5, 1.0],
+    "repetition_penalty": [1e-300, 1.0, 100.0],
+    "frequency_penalty": [-2.0, 0.0, 2.0],
+    "presence_penalty": [-2.0, 2.0],
+    "logprobs": [0, 20],
+    "seed": [None, -(2**63), 2**63 - 17],
+}
+
+
+def test_no_valid_parameters_make_the_sampler_raise() -> None:
+    """Random combinations of range edges (validated, then clamped as the server does)."""
+    rng = torch.Generator().manual_seed(0)
+    pick = random.Random(0)
+    vocab = 12
+    for _ in range(100):
+        params = [SamplingParams(**{k: pick.choice(v) for k, v in EDGES.items()})
+                  for _ in range(3)]
+        for p in params:
+            p.validate(vocab_size=vocab, max_new_tokens_limit=4096)
+        params = [p.clamped(vocab) for p in params]
+        logits = torch.randn(3, vocab, generator=rng) * pick.choice([1.0, 1e4, 1e30])
+        logits = apply_penalties(logits, params, [[1, 2, 3]] * 3, [[3, 3, 4]] * 3)
+        result = sample(logits, params, [make_generator(p.seed, 7) for p in params])
+        assert ((result.tokens >= 0) & (result.tokens < vocab)).all()
+        assert torch.isfinite(result.logprobs).all()

@@ -119,16 +119,17 @@ def test_stop_string_truncates(server: str) -> None:
 
 
 def test_abort_request(server: str) -> None:
-    body = {"text": "long", "sampling_params": greedy(200), "stream": True, "rid": "to-abort"}
+    # As long as the context allows, so a loaded machine cannot finish it before the abort.
+    body = {"text": "long", "sampling_params": greedy(250), "stream": True, "rid": "to-abort"}
     with httpx.stream("POST", server + "/generate", json=body, timeout=120) as r:
         lines = r.iter_lines()
         first = next(line for line in lines if line)
-        assert first.startswith("data: ")
+        assert first.startswith("data: ") and json.loads(first[6:])["meta_info"]["id"] == "to-abort"
         res = httpx.post(server + "/abort_request", json={"rid": "to-abort"}, timeout=30)
         assert res.json() == {"success": True}
         frames = [json.loads(line[6:]) for line in lines if line.startswith("data: {")]
     assert frames[-1]["meta_info"]["finish_reason"]["type"] == "abort"
-    assert len(frames[-1]["output_ids"]) < 200
+    assert len(frames[-1]["output_ids"]) < 250
 
 
 BAD = [

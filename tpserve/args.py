@@ -49,6 +49,9 @@ class ServerArgs:
     chat_template: str | None = None  # FILE, a named template, or inline Jinja
     generation_config: str = "auto"  # auto | ignore | DIR
     attention_backend: str = "auto"  # tpserve.layers.attention.registry.NAMES
+    admin_api_key: str | None = None  # default: --api-key
+    allow_unauthenticated: bool = False  # serve beyond loopback without a key
+    profile_dir: str | None = None  # /admin/profile traces (default: a private per-user dir)
     extra: dict[str, object] = field(default_factory=dict)
 
 
@@ -99,6 +102,11 @@ FLAG_HELP = {
     "attention_backend": "attention over the paged KV cache: auto (cpu on CPU where the native "
                          "kernel builds, flashinfer on CUDA where installed, else torch), torch, "
                          "cpu, flashinfer",
+    "admin_api_key": "key for /admin/* (also env TPSERVE_ADMIN_API_KEY; default: --api-key)",
+    "allow_unauthenticated": "allow --host beyond loopback with no --api-key (anyone who can "
+                             "reach the port can generate; /admin too without an admin key)",
+    "profile_dir": "directory for /admin/profile traces, created 0700 (default: "
+                   "$XDG_RUNTIME_DIR/tpserve-traces, else ~/.cache/tpserve/traces)",
 }
 
 

@@ -1,7 +1,7 @@
-"""Streaming text output: incremental detokenization and stop-string detection.
+"""Streaming text output: incremental detokenization.
 
 This module owns turning a growing list of token ids into text chunks that are safe to stream:
-never half a UTF-8 character, never the start of a stop string that may still complete.
+never half a UTF-8 character. Stop strings are matched in ``stop_matcher``.
 """
 
 from __future__ import annotations
@@ -9,6 +9,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from tokenizers import Tokenizer
+
+from tpserve.engine.stop_matcher import StopChecker
+
+__all__ = ["IncrementalDetokenizer", "StopChecker"]  # StopChecker: re-exported for request.py
 
 # Prompt tokens decoded as context before the first output token. Tokenizers such as
 # SentencePiece render a token differently at the start of a sequence (leading space dropped),
@@ -82,36 +86,3 @@ class IncrementalDetokenizer:
         self._read_offset = len(self._ids)
         self._text += chunk
         return chunk
-
-
-class StopChecker:
-    """Finds stop strings in streamed text and decides how much text is safe to emit."""
-
-    def __init__(self, stop: Sequence[str]) -> None:
-        self._stop = tuple(s for s in stop if s)
-        self._max_len = max((len(s) for s in self._stop), default=0)
-
-    def check(self, text: str, new_start: int) -> int | None:
-        """Index in `text` where the earliest stop string begins, or None.
-
-        Only matches that overlap text from `new_start` on are searched for; earlier text was
-        already checked when it arrived.
-        """
-        if not self._stop:
-            return None
-        start = max(0, new_start - self._max_len + 1)
-        hits = [i for i in (text.find(s, start) for s in self._stop) if i >= 0]
-        return min(hits) if hits else None
-
-    def safe_prefix_len(self, text: str) -> int:
-        """Length of the prefix of `text` that cannot be part of a stop string completed later.
-
-        Holds back the longest suffix of `text` that is a proper prefix of some stop string.
-        """
-        held = 0
-        for s in self._stop:
-            for n in range(min(len(s) - 1, len(text)), held, -1):
-                if text.endswith(s[:n]):
-                    held = n
-                    break
-        return len(text) - held

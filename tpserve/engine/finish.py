@@ -32,14 +32,12 @@ def append_tokens(req: Request, tokens: list[int], context_length: int,
 def _update_text(req: Request) -> None:
     if req.finished:
         return
-    start = len(req.text)
-    req.text += req.detok.add([req.output_ids[-1]])
-    if req.params.stop:
-        at = req.stop.check(req.text, start)
-        if at is not None:
-            matched = next(s for s in req.params.stop if req.text.startswith(s, at))
-            req.text = req.text[:at]
-            req.finish_reason = {"type": "stop", "matched": matched}
+    chunk = req.detok.add([req.output_ids[-1]])
+    req.text += chunk
+    match = req.stop.feed(chunk)  # O(len(chunk)), however many stop strings there are
+    if match is not None:
+        req.text = req.text[:match.start]
+        req.finish_reason = {"type": "stop", "matched": match.stop}
 
 
 def _check_finish(req: Request, token: int, context_length: int) -> None:
@@ -47,7 +45,7 @@ def _check_finish(req: Request, token: int, context_length: int) -> None:
         return
     params = req.params
     enough = len(req.output_ids) >= params.min_new_tokens
-    if enough and token in params.stop_token_ids:
+    if enough and token in params.stop_token_set:
         req.finish_reason = {"type": "stop", "matched": token}
     elif enough and not params.ignore_eos and token in req.eos_ids:
         req.finish_reason = {"type": "stop", "matched": token}
@@ -62,7 +60,7 @@ def _check_finish(req: Request, token: int, context_length: int) -> None:
 
 def emit_progress(req: Request) -> None:
     """Send what is new since the last event (holding back a possible stop-string prefix)."""
-    visible = len(req.text) if req.finished else req.stop.safe_prefix_len(req.text)
+    visible = len(req.text) if req.finished else len(req.text) - req.stop.held
     new_text = req.text[req.streamed_text : visible]
     new_ids = req.output_ids[req.streamed_ids :]
     if not new_text and not new_ids and not req.finished:

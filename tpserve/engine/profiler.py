@@ -19,6 +19,8 @@ from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from tpserve.engine.trace_files import write_private
+
 _NOOP: AbstractContextManager[None] = nullcontext()
 
 
@@ -114,7 +116,11 @@ class StepProfiler:
 
 @dataclass
 class TraceCapture:
-    """A ``torch.profiler`` trace of the next N engine steps, written as a Chrome trace."""
+    """A ``torch.profiler`` trace of the next N engine steps, written as a Chrome trace.
+
+    ``path`` must lie in a private directory (``trace_files``); the file is replaced
+    atomically, never written through a symlink.
+    """
 
     steps_left: int
     path: str
@@ -142,7 +148,7 @@ class TraceCapture:
             return False
         try:
             self.profiler.__exit__(None, None, None)
-            self.profiler.export_chrome_trace(self.path)
+            write_private(self.path, self.profiler.export_chrome_trace)
         except Exception as exc:  # a failed trace must never take the engine down
             self.error = str(exc)
         self.done = True

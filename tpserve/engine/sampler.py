@@ -90,8 +90,10 @@ def apply_min_tokens(
     if not rows:
         return logits
     out = logits.clone()
+    vocab = out.shape[-1]
     for i in rows:
-        banned = list(eos_token_ids) + list(params[i].stop_token_ids)
+        # Ids outside the vocabulary cannot be sampled anyway; indexing with them would raise.
+        banned = [t for t in (*eos_token_ids, *params[i].stop_token_ids) if 0 <= t < vocab]
         if banned:
             out[i, _as_long(banned, out.device)] = float("-inf")
     return out
@@ -107,7 +109,8 @@ def _filter_sorted(sorted_probs: Tensor, params: Sequence[SamplingParams]) -> Te
     ranks = torch.arange(vocab, device=sorted_probs.device).unsqueeze(0)
     probs = sorted_probs
     if any(p.top_k > 0 for p in params):
-        top_k = _column([p.top_k if p.top_k > 0 else vocab for p in params], probs)
+        # Clamped here too: a top_k past the vocabulary (or past float32's range) means "all".
+        top_k = _column([min(p.top_k, vocab) if p.top_k > 0 else vocab for p in params], probs)
         probs = probs.masked_fill(ranks >= top_k, 0.0)
         probs = probs / probs.sum(dim=-1, keepdim=True)
     if any(p.top_p < 1.0 for p in params):
@@ -167,14 +170,16 @@ def _draw(
         tokens[idx] = torch.multinomial(probs[idx], 1, generator=fallback).squeeze(1)
     for i, gen in enumerate(generators):
         if gen is not None:
-            tokens[i] = torch.multinomial(probs[i], 1, generator=gen)[0]
+            # A generator draws only on its own device (requests get CPU generators).
+            row = probs[i] if gen.device == probs.device else probs[i].to(gen.device)
+            tokens[i] = torch.multinomial(row, 1, generator=gen)[0]
     return tokens
 
 
 def _top_logprobs(
     logprobs: Tensor, params: Sequence[SamplingParams]
 ) -> list[list[tuple[int, float]]]:
-    k_max = max(p.logprobs for p in params)
+    k_max = min(max(p.logprobs for p in params), logprobs.shape[-1])
     values, indices = logprobs.topk(k_max, dim=-1)
     values_l, indices_l = values.tolist(), indices.tolist()
     return [

@@ -7,17 +7,32 @@ This module owns the `SamplingParams` value object. Field names and defaults fol
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any
 
 # Upper bounds that are policy, not physics: they keep one request from monopolising the server.
 MAX_N = 16
 MAX_TOP_LOGPROBS = 20
+# Stop strings are matched by one automaton per request (stop_matcher.py), so their number no
+# longer costs per token; these caps bound the automaton (at most 16,384 nodes, ~25 ms to
+# build in CPython, off the event loop when large) and the size of a request's state.
+MAX_STOP_STRINGS = 64
+MAX_STOP_STRING_CHARS = 256
+MAX_STOP_TOKEN_IDS = 256
 # Temperatures below this sample as greedy (vLLM's threshold too): logits / 1e-40 overflows
 # float32 to inf, and the softmax of that is NaN, which no sampler can draw from.
 GREEDY_TEMPERATURE = 1e-5
+# Above ~100 the softmax of any realistic logits is already uniform to float32 precision.
+MAX_TEMPERATURE = 100.0
+MAX_REPETITION_PENALTY = 100.0
 PENALTY_RANGE = (-2.0, 2.0)
+# 64-bit seeds (torch generators take nothing wider), with room for the +i that n > 1 adds
+# per choice.
+SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1 - MAX_N
+_REPR_CHARS = 80  # values quoted in error messages are cut to this: bodies can be megabytes
 
 
 @dataclass(frozen=True)
@@ -56,6 +71,17 @@ class SamplingParams:
             or self.presence_penalty != 0.0
         )
 
+    @cached_property
+    def stop_token_set(self) -> frozenset[int]:
+        """``stop_token_ids`` as a set: one lookup per generated token."""
+        return frozenset(self.stop_token_ids)
+
+    def clamped(self, vocab_size: int) -> SamplingParams:
+        """``top_k`` beyond the vocabulary means the whole vocabulary."""
+        if self.top_k > vocab_size:
+            return dataclasses.replace(self, top_k=vocab_size)
+        return self
+
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> SamplingParams:
         """Parse a JSON-like mapping, rejecting unknown keys and ill-typed values."""
@@ -69,45 +95,42 @@ class SamplingParams:
 
     def validate(self, vocab_size: int, max_new_tokens_limit: int) -> None:
         """Raise ValueError naming the first out-of-range parameter."""
-        _check(
-            0 <= self.max_new_tokens <= max_new_tokens_limit,
-            "max_new_tokens",
-            f"must be in [0, {max_new_tokens_limit}], got {self.max_new_tokens}",
-        )
-        _check(self.temperature >= 0.0, "temperature", f"must be >= 0, got {self.temperature}")
+        limit = max_new_tokens_limit
+        _in_range("max_new_tokens", self.max_new_tokens, 0, limit)
+        _in_range("min_new_tokens", self.min_new_tokens, 0, limit)
+        _in_range("temperature", self.temperature, 0.0, MAX_TEMPERATURE)
         _check(0.0 < self.top_p <= 1.0, "top_p", f"must be in (0, 1], got {self.top_p}")
-        _check(
-            self.top_k == -1 or self.top_k >= 1,
-            "top_k",
-            f"must be -1 (disabled) or >= 1, got {self.top_k}",
-        )
-        _check(0.0 <= self.min_p <= 1.0, "min_p", f"must be in [0, 1], got {self.min_p}")
-        _check(
-            self.repetition_penalty > 0.0,
-            "repetition_penalty",
-            f"must be > 0, got {self.repetition_penalty}",
-        )
-        lo, hi = PENALTY_RANGE
+        _check(self.top_k == -1 or self.top_k >= 1, "top_k",
+               f"must be -1 (disabled) or >= 1, got {_short(self.top_k)}")
+        _in_range("min_p", self.min_p, 0.0, 1.0)
+        _check(0.0 < self.repetition_penalty <= MAX_REPETITION_PENALTY, "repetition_penalty",
+               f"must be in (0, {MAX_REPETITION_PENALTY}], got {self.repetition_penalty}")
         for name in ("frequency_penalty", "presence_penalty"):
-            value = getattr(self, name)
-            _check(lo <= value <= hi, name, f"must be in [{lo}, {hi}], got {value}")
-        _check(1 <= self.n <= MAX_N, "n", f"must be in [1, {MAX_N}], got {self.n}")
+            _in_range(name, getattr(self, name), *PENALTY_RANGE)
+        _in_range("n", self.n, 1, MAX_N)
+        _in_range("logprobs", self.logprobs, 0, MAX_TOP_LOGPROBS)
+        if self.seed is not None:
+            _in_range("seed", self.seed, SEED_MIN, SEED_MAX)
+        _check(len(self.stop) <= MAX_STOP_STRINGS, "stop",
+               f"at most {MAX_STOP_STRINGS} stop strings, got {len(self.stop)}")
+        longest = max((len(s) for s in self.stop), default=0)
+        _check(longest <= MAX_STOP_STRING_CHARS, "stop",
+               f"a stop string may have at most {MAX_STOP_STRING_CHARS} characters, got {longest}")
+        _check(len(self.stop_token_ids) <= MAX_STOP_TOKEN_IDS, "stop_token_ids",
+               f"at most {MAX_STOP_TOKEN_IDS} ids, got {len(self.stop_token_ids)}")
         for tok in self.stop_token_ids:
-            _check(
-                0 <= tok < vocab_size,
-                "stop_token_ids",
-                f"token id {tok} is outside the vocabulary [0, {vocab_size})",
-            )
-        _check(
-            self.min_new_tokens >= 0,
-            "min_new_tokens",
-            f"must be >= 0, got {self.min_new_tokens}",
-        )
-        _check(
-            0 <= self.logprobs <= MAX_TOP_LOGPROBS,
-            "logprobs",
-            f"must be in [0, {MAX_TOP_LOGPROBS}], got {self.logprobs}",
-        )
+            _check(0 <= tok < vocab_size, "stop_token_ids",
+                   f"token id {_short(tok)} is outside the vocabulary [0, {vocab_size})")
+
+
+def _in_range(name: str, value: float, lo: float, hi: float) -> None:
+    # NaN fails both comparisons, so it is refused with the same message.
+    _check(lo <= value <= hi, name, f"must be in [{lo}, {hi}], got {_short(value)}")
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= _REPR_CHARS else f"{text[:_REPR_CHARS]}... ({len(text)} chars)"
 
 
 def _check(ok: bool, name: str, detail: str) -> None:
@@ -122,7 +145,7 @@ def _is_int(value: Any) -> bool:
 
 def _type_error(key: str, expected: str, value: Any) -> ValueError:
     return ValueError(
-        f"sampling parameter '{key}' must be {expected}, got {type(value).__name__} {value!r}"
+        f"sampling parameter '{key}' must be {expected}, got {type(value).__name__} {_short(value)}"
     )
 
 
@@ -149,7 +172,14 @@ def _coerce(key: str, value: Any) -> Any:
     if key in _FLOAT_FIELDS:
         if not (_is_int(value) or isinstance(value, float)):
             raise _type_error(key, "a number", value)
-        return float(value)
+        try:
+            number = float(value)  # a JSON integer may have 400 digits: float() overflows
+        except OverflowError:
+            number = math.inf
+        if not math.isfinite(number):
+            raise ValueError(f"invalid sampling parameter '{key}': must be a finite number, "
+                             f"got {_short(value)}")
+        return number
     if key in _BOOL_FIELDS:
         if not isinstance(value, bool):
             raise _type_error(key, "a boolean", value)
@@ -170,7 +200,12 @@ def _coerce_stop(value: Any) -> tuple[str, ...]:
         return ()
     if isinstance(value, str):
         value = [value]
-    if not isinstance(value, (list, tuple)) or not all(isinstance(s, str) for s in value):
+    if not isinstance(value, (list, tuple)):
+        raise _type_error("stop", "a string or a list of strings", value)
+    if len(value) > MAX_STOP_STRINGS:  # before looking at the items: the list may be huge
+        raise ValueError(f"invalid sampling parameter 'stop': at most {MAX_STOP_STRINGS} stop "
+                         f"strings, got {len(value)}")
+    if not all(isinstance(s, str) for s in value):
         raise _type_error("stop", "a string or a list of strings", value)
     if any(s == "" for s in value):
         raise ValueError("sampling parameter 'stop' must not contain empty strings")
@@ -180,6 +215,11 @@ def _coerce_stop(value: Any) -> tuple[str, ...]:
 def _coerce_stop_token_ids(value: Any) -> tuple[int, ...]:
     if value is None:
         return ()
-    if not isinstance(value, (list, tuple)) or not all(_is_int(t) for t in value):
+    if not isinstance(value, (list, tuple)):
+        raise _type_error("stop_token_ids", "a list of integers", value)
+    if len(value) > MAX_STOP_TOKEN_IDS:
+        raise ValueError(f"invalid sampling parameter 'stop_token_ids': at most "
+                         f"{MAX_STOP_TOKEN_IDS} ids, got {len(value)}")
+    if not all(_is_int(t) for t in value):
         raise _type_error("stop_token_ids", "a list of integers", value)
     return tuple(value)

@@ -4,25 +4,24 @@
 on every rank between two steps (no restart, in-flight requests continue under the new
 setting), toggles the step profiler, and can reset the statistics. ``POST /admin/profile``
 captures a ``torch.profiler`` trace of the next N engine steps on rank 0. Both sit behind
-the API key like every other non-health endpoint.
+the admin key (``--admin-api-key``, default ``--api-key``).
 """
 
 from __future__ import annotations
 
 import asyncio
-import os
-import tempfile
 import time
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from tpserve.engine.admin import AdminError
 from tpserve.server.http import body_or_error, error, json_body
 from tpserve.server.protocol import ErrorResponse
 from tpserve.server.state import ServerState
+from tpserve.server.trace_dir import NAME_RULE, TraceRequestError, check_name, trace_path
 
 
 class SpeculativeSettings(BaseModel):
@@ -53,16 +52,22 @@ class ProfileRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     steps: int = Field(10, ge=1, le=10000)
-    name: str | None = Field(None, pattern=r"^[A-Za-z0-9._-]{1,100}$",
-                             description="trace file name inside the trace directory "
-                                         "($TPSERVE_TRACE_DIR, default <tmp>/tpserve-traces)")
+    name: str | None = Field(None, description=f"trace file name ({NAME_RULE}) inside the "
+                             "private trace directory (--profile-dir)")
     wait_s: float = Field(0.0, ge=0.0, le=120.0,
                           description="wait up to this long for the trace to be written")
+
+
+    @field_validator("name")
+    @classmethod
+    def _safe_name(cls, name: str | None) -> str | None:
+        return None if name is None else check_name(name)
 
 
 class ProfileResponse(BaseModel):
     path: str
     done: bool
+    error: str | None = None
 
 
 ADMIN_BODIES = (AdminConfig, SpeculativeSettings, ProfileRequest)
@@ -98,19 +103,14 @@ def register_admin(app: FastAPI, state: ServerState) -> None:
         body = await body_or_error(raw, ProfileRequest)
         if isinstance(body, JSONResponse):
             return body
-        path = _trace_path(body.name)
+        try:
+            path = trace_path(state.args, body.name)
+        except TraceRequestError as exc:
+            return error(400, str(exc))
         capture = await state.client.call(lambda eng: eng.start_trace(body.steps, path))
         if isinstance(capture, Exception):
             return error(400, str(capture))
         deadline = time.monotonic() + body.wait_s
         while not capture.done and time.monotonic() < deadline:
             await asyncio.sleep(0.05)  # steps only happen while requests are running
-        return {"path": path, "done": capture.done}
-
-
-def _trace_path(name: str | None) -> str:
-    """Traces only ever land in one directory: the API never writes to a client-chosen path."""
-    root = os.environ.get("TPSERVE_TRACE_DIR") or os.path.join(tempfile.gettempdir(),
-                                                                "tpserve-traces")
-    os.makedirs(root, mode=0o700, exist_ok=True)
-    return os.path.join(root, name or f"trace-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}.json")
+        return {"path": path, "done": capture.done, "error": capture.error}

@@ -25,21 +25,18 @@ from tpserve.engine.engine import Engine
 from tpserve.generation_config import load_generation_config, log_defaults
 from tpserve.server.admin_api import ADMIN_BODIES, register_admin
 from tpserve.server.engine_client import ClientLimits, EngineClient
-from tpserve.server.guard import OPEN_PATHS, Guard, GuardConfig
+from tpserve.server.guard import Guard, GuardConfig, needs_key
 from tpserve.server.http import create_app
 from tpserve.server.lifecycle import TpServer, Watchdog, seconds_since_start
 from tpserve.server.metrics import ServerMetrics
 from tpserve.server.openai_api import OPENAI_BODIES, register_openai
 from tpserve.server.openapi_util import finish_schema
-from tpserve.server.protocol import ErrorResponse, GenerateRequest
+from tpserve.server.protocol import AbortRequest, ErrorResponse, GenerateRequest
+from tpserve.server.security import resolve_keys
 from tpserve.server.startup_http import StartupResponder
 from tpserve.server.state import ServerState
 
 log = logging.getLogger("tpserve")
-
-
-def api_key(args: ServerArgs) -> str | None:
-    return args.api_key or os.environ.get("TPSERVE_API_KEY") or None
 
 
 def build_app(state: ServerState, metrics: ServerMetrics, template: ChatTemplate,
@@ -54,11 +51,12 @@ def build_app(state: ServerState, metrics: ServerMetrics, template: ChatTemplate
     async def prometheus() -> Response:
         return Response(await metrics.render(state.client), media_type=CONTENT_TYPE_LATEST)
 
-    key = api_key(state.args)
-    app.add_middleware(Guard, cfg=GuardConfig(key, state.args.max_request_bytes),
-                       on_response=metrics.on_response)
-    finish_schema(app, (GenerateRequest, *OPENAI_BODIES, *ADMIN_BODIES, ErrorResponse), key is not None,
-                  OPEN_PATHS)
+    keys = resolve_keys(state.args)
+    guard = GuardConfig(keys.api, state.args.max_request_bytes, keys.admin)
+    metrics.track_routes(frozenset(getattr(route, "path", "") for route in app.routes))
+    app.add_middleware(Guard, cfg=guard, on_response=metrics.on_response)
+    finish_schema(app, (GenerateRequest, AbortRequest, *OPENAI_BODIES, *ADMIN_BODIES,
+                        ErrorResponse), lambda path: needs_key(path, guard))
     return app
 
 
@@ -122,6 +120,7 @@ def serve_http(args: ServerArgs, setup: Any, engine: Engine, tokenizer: Tokenize
     log.info("ready %.1fs after launch: serving on http://%s:%d", seconds_since_start(),
              args.host, args.port)
     server.run(sockets=sockets)
+    state.client.encoder.close()
     if watchdog is not None:
         watchdog.done.set()
         # A follower that died during shutdown must still make this rank's exit non-zero.

@@ -6,7 +6,8 @@ in through the engine's inbox, and every output event is handed back to the loop
 
 Admission is counted in output sequences (``n`` > 1 counts n) from acceptance until the last
 event: at most ``max_running_requests + max_queued_requests`` at once, so a burst gets 503s
-instead of growing the engine's queue without bound.
+instead of growing the engine's queue without bound. An admission also holds the request's
+labels (client ``rid``s, see ``labels``) until it is released.
 """
 
 from __future__ import annotations
@@ -14,7 +15,6 @@ from __future__ import annotations
 import asyncio
 import itertools
 import time
-import uuid
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, replace
 from types import MappingProxyType
@@ -23,24 +23,17 @@ from typing import Any, Protocol
 from tokenizers import Tokenizer
 
 from tpserve.engine.engine import Command, Engine
-from tpserve.engine.request import RequestOutput, new_request
-from tpserve.engine.sampling_params import MAX_N, SamplingParams
+from tpserve.engine.request import Request, RequestOutput, new_request
+from tpserve.engine.sampling_params import SamplingParams
 from tpserve.generation_config import with_defaults
+from tpserve.server.client_errors import BadRequest, EngineUnavailable, Overloaded
+from tpserve.server.labels import LabelRegistry
+from tpserve.server.mailbox import EventMailbox
+from tpserve.server.prompts import PromptEncoder
 
-# 64-bit seeds, with room for the +i that n > 1 adds per choice (expand_n).
-SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1 - MAX_N
-
-
-class BadRequest(ValueError):
-    """Client error: becomes HTTP 400 with the message."""
-
-
-class Overloaded(RuntimeError):
-    """Too many requests waiting: becomes HTTP 503 with Retry-After."""
-
-
-class EngineUnavailable(RuntimeError):
-    """The engine thread has stopped or is not answering: becomes HTTP 503."""
+# Stop strings with more characters than this build their automaton (up to 64 x 256 nodes,
+# ~25 ms) on a worker thread instead of the event loop.
+STOP_CHARS_INLINE = 2048
 
 
 @dataclass(frozen=True)
@@ -69,15 +62,17 @@ class RequestObserver(Protocol):
 
 
 class Admission:
-    """``count`` admitted sequences; released exactly once (by ``with`` or ``release``)."""
+    """``count`` admitted sequences and their labels; released exactly once (by ``with`` or
+    ``release``)."""
 
-    def __init__(self, client: EngineClient, count: int) -> None:
-        self.client, self.count, self._held = client, count, True
+    def __init__(self, client: EngineClient, count: int, labels: list[str]) -> None:
+        self.client, self.count, self.labels, self._held = client, count, labels, True
 
     def release(self) -> None:
         if self._held:
             self._held = False
             self.client.in_flight -= self.count
+            self.client.labels.release(self.labels)
 
     def __enter__(self) -> Admission:
         return self
@@ -99,9 +94,12 @@ class EngineClient:
         self.observer: RequestObserver | None = None
         # generation_config.json's sampling defaults, for parameters a request leaves out
         self.sampling_defaults: Mapping[str, Any] = MappingProxyType({})
+        self.labels = LabelRegistry()
+        self.encoder = PromptEncoder(tokenizer, limits.context_length)
 
-    def admit(self, count: int) -> Admission:
-        """Reserve ``count`` sequences or raise Overloaded (503) / BadRequest (can never fit)."""
+    def admit(self, count: int, labels: list[str] | tuple[str, ...] = ()) -> Admission:
+        """Reserve ``count`` sequences and ``labels``, or raise Overloaded (503), BadRequest
+        (can never fit) or LabelInUse (409)."""
         capacity = self.limits.capacity
         if count > capacity:
             raise BadRequest(f"request asks for {count} sequences; the server admits at most "
@@ -110,8 +108,9 @@ class EngineClient:
             if self.observer is not None:
                 self.observer.on_rejected(count)
             raise Overloaded(f"server is at capacity ({capacity} sequences in flight); retry later")
+        self.labels.claim(list(labels))
         self.in_flight += count
-        return Admission(self, count)
+        return Admission(self, count, list(labels))
 
     def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
@@ -137,15 +136,12 @@ class EngineClient:
         return self.validated(params)
 
     def validated(self, params: SamplingParams) -> SamplingParams:
-        """Range checks, including the seed: torch generators take 64-bit seeds only."""
+        """Range checks (a 400 naming the field), then ``top_k`` clamped to the vocabulary."""
         try:
             params.validate(self.limits.vocab_size, self.limits.max_new_tokens_limit)
         except ValueError as exc:
             raise BadRequest(str(exc)) from exc
-        if params.seed is not None and not SEED_MIN <= params.seed <= SEED_MAX:
-            raise BadRequest(f"invalid sampling parameter 'seed': must be in [{SEED_MIN}, "
-                             f"{SEED_MAX}], got {params.seed}")
-        return params
+        return params.clamped(self.limits.vocab_size)
 
     def expand_n(self, params: SamplingParams) -> list[SamplingParams]:
         """n > 1 becomes n requests; seeded ones get seed + i so they differ but reproduce."""
@@ -155,20 +151,18 @@ class EngineClient:
                 for i in range(params.n)]
 
     async def generate(self, ids: list[int], params: SamplingParams,
-                       rid: str | None = None) -> AsyncIterator[RequestOutput]:
+                       label: str | None = None) -> AsyncIterator[RequestOutput]:
         """Submit one request and yield its output events; aborts it if the caller goes away.
 
-        The caller holds an ``Admission`` for it (see ``admit``).
+        The caller holds an ``Admission`` for it and its ``label`` (see ``admit``); the
+        engine request gets a fresh id of its own.
         """
-        loop = asyncio.get_running_loop()
-        events: asyncio.Queue[RequestOutput] = asyncio.Queue()
-        rid = rid or uuid.uuid4().hex
-        req = new_request(rid, ids, params, self.tokenizer, self.eos_ids,
-                          self.limits.server_seed + next(self._counter),
-                          lambda out: _deliver(loop, events, out), self.engine.device)
+        rid = self.labels.attach(label or "")
         started, previous = time.perf_counter(), None
         last: RequestOutput | None = None
         try:
+            events = EventMailbox()
+            req = await self._new_request(rid, ids, params, events)
             self.engine.submit(Command("add", req))
             while True:
                 last = await events.get()
@@ -180,11 +174,30 @@ class EngineClient:
                 if last.finished:
                     return
         finally:
+            self.labels.detach(label or "", rid)
             finished = last is not None and last.finished
             if not finished:
                 self.abort(rid)
             self._observe_end(last if finished else None, len(ids),
                               len(last.output_ids) if last else 0)
+
+    async def _new_request(self, rid: str, ids: list[int], params: SamplingParams,
+                           events: EventMailbox) -> Request:
+        loop = asyncio.get_running_loop()
+        args = (rid, ids, params, self.tokenizer, self.eos_ids,
+                self.limits.server_seed + next(self._counter),
+                lambda out: _deliver(loop, events, out), self.engine.device)
+        stop_chars = sum(len(s) for s in params.stop)
+        if stop_chars <= STOP_CHARS_INLINE:
+            return new_request(*args)
+        return await self.encoder.run(stop_chars, new_request, *args)
+
+    def abort_label(self, label: str) -> bool:
+        """Abort every engine request running under ``label``; False when none is."""
+        rids = self.labels.engine_ids(label)
+        for rid in rids:
+            self.abort(rid)
+        return bool(rids)
 
     def _observe_end(self, final: RequestOutput | None, prompt: int, output: int) -> None:
         if self.observer is None:
@@ -219,10 +232,9 @@ class EngineClient:
             raise EngineUnavailable(f"engine did not answer within {timeout:.0f}s") from None
 
 
-def _deliver(loop: asyncio.AbstractEventLoop, events: asyncio.Queue[RequestOutput],
-             out: RequestOutput) -> None:
+def _deliver(loop: asyncio.AbstractEventLoop, events: EventMailbox, out: RequestOutput) -> None:
     """Hand an event to the loop; after shutdown the loop is closed and nobody is listening."""
     try:
-        loop.call_soon_threadsafe(events.put_nowait, out)
+        loop.call_soon_threadsafe(events.put, out)
     except RuntimeError:
         pass

@@ -1,27 +1,33 @@
-"""ASGI guard in front of every route: API key, request body cap, and HTTP response counts.
+"""ASGI guard in front of every route: API keys, request body cap, HTTP response counts, and
+a JSON 500 for anything a handler failed to catch.
 
 A plain ASGI middleware rather than FastAPI dependencies, so it covers every route
 (including the docs and ones added later) and never buffers a streaming response. The body
 is read up front, up to the cap, and replayed to the app: a client sending a chunked body
-without Content-Length is capped the same way, before any handler runs.
+without Content-Length is capped the same way, before any handler runs. ``/admin/*`` takes
+the admin key; every other route but the open ones the API key (or the admin key).
 """
 
 from __future__ import annotations
 
 import hmac
 import json
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 OPEN_PATHS = frozenset({"/health", "/metrics"})  # probes and scrapers carry no key
+ADMIN_PREFIX = "/admin/"
+log = logging.getLogger("tpserve")
 
 
 @dataclass(frozen=True)
 class GuardConfig:
     api_key: str | None
     max_request_bytes: int
+    admin_api_key: str | None = None
 
 
 def _error(status: int, message: str) -> tuple[bytes, list[tuple[bytes, bytes]]]:
@@ -34,17 +40,24 @@ def _error(status: int, message: str) -> tuple[bytes, list[tuple[bytes, bytes]]]
     return body, headers
 
 
+def needs_key(path: str, cfg: GuardConfig) -> bool:
+    if path.startswith(ADMIN_PREFIX):
+        return cfg.admin_api_key is not None
+    return cfg.api_key is not None and path not in OPEN_PATHS
+
+
 class Guard:
     def __init__(self, app: ASGIApp, cfg: GuardConfig,
                  on_response: Callable[[str, str, int], None] | None = None) -> None:
         self.app, self.cfg, self.on_response = app, cfg, on_response
-        self._key = cfg.api_key.encode() if cfg.api_key else None
+        self._api = cfg.api_key.encode() if cfg.api_key else None
+        self._admin = cfg.admin_api_key.encode() if cfg.admin_api_key else None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        status = [500]  # what the app answered, for the counter
+        status = [0]  # what the app answered, for the counter (0: nothing yet)
 
         async def send_counted(message: Message) -> None:
             if message["type"] == "http.response.start":
@@ -53,13 +66,19 @@ class Guard:
 
         try:
             await self._guarded(scope, receive, send_counted)
+        except Exception:  # noqa: BLE001 - the one place an unexpected error becomes a 500
+            log.exception("unhandled error serving %s", scope.get("path"))
+            if status[0] == 0:
+                await _reply(send_counted, 500, "internal server error")
         finally:
             if self.on_response is not None:
-                self.on_response(scope["method"], scope["path"], status[0])
+                self.on_response(scope["method"], scope["path"], status[0] or 500)
 
     async def _guarded(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if self._key is not None and scope["path"] not in OPEN_PATHS and not self._authorised(scope):
-            await _reply(send, 401, "missing or incorrect API key: send 'Authorization: Bearer KEY'")
+        path = scope["path"]
+        if needs_key(path, self.cfg) and not self._authorised(scope, path):
+            which = "admin API key" if path.startswith(ADMIN_PREFIX) else "API key"
+            await _reply(send, 401, f"missing or incorrect {which}: send 'Authorization: Bearer KEY'")
             return
         body = await self._read_body(scope, receive)
         if body is None:
@@ -68,10 +87,15 @@ class Guard:
             return
         await self.app(scope, _replay(body, receive), send)
 
-    def _authorised(self, scope: Scope) -> bool:
+    def _authorised(self, scope: Scope, path: str) -> bool:
         header = dict(scope["headers"]).get(b"authorization", b"")
         scheme, _, token = header.partition(b" ")
-        return scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self._key or b"")
+        if scheme.lower() != b"bearer":
+            return False
+        token = token.strip()
+        # The admin key opens every route; the API key every route but /admin/*.
+        allowed = [self._admin] + ([] if path.startswith(ADMIN_PREFIX) else [self._api])
+        return any(key is not None and hmac.compare_digest(token, key) for key in allowed)
 
     async def _read_body(self, scope: Scope, receive: Receive) -> list[Message] | None:
         """The body messages, or None when it is over the cap (checked before reading)."""

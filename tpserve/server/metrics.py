@@ -21,9 +21,9 @@ from tpserve.server.state import _engine_snapshot
 
 TTFT_BUCKETS = (.005, .01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10, 30, 60)
 ITL_BUCKETS = (.001, .0025, .005, .01, .02, .04, .08, .16, .32, .64, 1.28, 2.5, 5)
-KNOWN_PATHS = frozenset({"/generate", "/v1/completions", "/v1/chat/completions", "/v1/models",
-                         "/health", "/health_generate", "/metrics", "/get_server_info",
-                         "/get_model_info", "/abort_request", "/flush_cache"})
+# Label values come from fixed sets, so made-up methods or paths cannot grow /metrics.
+HTTP_METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "DELETE", "PATCH", "OPTIONS"})
+OTHER = "other"
 
 
 class EngineCollector(Collector):
@@ -144,6 +144,11 @@ class ServerMetrics:
                             ["method", "path", "status"], registry=reg)
         self.engine = EngineCollector()
         reg.register(self.engine)
+        self.paths: frozenset[str] = frozenset()  # the app's route table (track_routes)
+
+    def track_routes(self, paths: frozenset[str]) -> None:
+        """Paths counted under their own label; any other path is counted as ``other``."""
+        self.paths = paths
 
     def on_tokens(self, started: float, previous: float | None, now: float, count: int) -> None:
         if previous is None:
@@ -162,7 +167,8 @@ class ServerMetrics:
         self.requests.labels("rejected").inc(count)
 
     def on_response(self, method: str, path: str, status: int) -> None:
-        self.http.labels(method, path if path in KNOWN_PATHS else "other", str(status)).inc()
+        self.http.labels(method if method in HTTP_METHODS else OTHER,
+                         path if path in self.paths else OTHER, str(status)).inc()
 
     async def render(self, client: EngineClient) -> bytes:
         try:

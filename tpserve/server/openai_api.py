@@ -17,8 +17,10 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
 from tpserve.chat_template import ChatTemplate
+from tpserve.engine.sampling_params import MAX_STOP_STRINGS
+from tpserve.server.body import check_list, check_prompt_lists, parse_body
 from tpserve.server.engine_client import BadRequest, EngineClient, EngineUnavailable, Overloaded
-from tpserve.server.http import error, parse_body
+from tpserve.server.http import CLIENT_GONE, error
 from tpserve.server.openai_chat import template_inputs
 from tpserve.server.openai_format import Reply, usage
 from tpserve.server.openai_protocol import (
@@ -33,11 +35,22 @@ from tpserve.server.openai_protocol import (
 from tpserve.server.openapi_util import json_body
 from tpserve.server.protocol import ErrorResponse
 from tpserve.server.state import ServerState
-from tpserve.server.streams import SSE_DONE, GuardedStream, Item, collect_all, merged, sse
+from tpserve.server.streams import (
+    SSE_DONE,
+    GuardedStream,
+    Item,
+    collect_all,
+    merged,
+    sse,
+    unless_disconnected,
+)
 
 OPENAI_BODIES = (CompletionRequest, ChatCompletionRequest)
 SSE_DOC = {"text/event-stream": {"schema": {"type": "string"},
                                  "example": "data: {...}\n\ndata: [DONE]\n\n"}}
+# Policy, far above real conversations; keeps a chat body's validation and template
+# rendering bounded before the rendered text's length can be checked.
+MAX_MESSAGES = 4096
 
 
 @dataclass(frozen=True)
@@ -71,9 +84,10 @@ class OpenAIFrontend:
                      self.client.tokenizer, want_logprobs)
 
     def _items(self, prompts: list[list[int]], req: SamplingFields, max_tokens: int | None,
-               top_logprobs: int, route_default: int | None) -> list[Item]:
+               top_logprobs: int, route_default: int | None, label: str) -> list[Item]:
         """``max_tokens`` None: the model's generation_config default, else ``route_default``
-        (None: up to the context), either capped by the context left and the server limit."""
+        (None: up to the context), either capped by the context left and the server limit.
+        Every item carries ``label`` (the response id, which /abort_request takes)."""
         items: list[Item] = []
         fallback = self.client.sampling_defaults.get("max_new_tokens", route_default)
         for ids in prompts:
@@ -83,48 +97,64 @@ class OpenAIFrontend:
             default = limit if fallback is None else min(int(fallback), limit)
             params = self.client.parse_params(
                 sampling_dict(req, default if max_tokens is None else max_tokens, top_logprobs))
-            items.extend((ids, p, None) for p in self.client.expand_n(params))
+            items.extend((ids, p, label) for p in self.client.expand_n(params))
         return items
 
-    def prepare_completion(self, req: CompletionRequest) -> Prepared:
+    async def prepare_completion(self, req: CompletionRequest) -> Prepared:
         if req.echo:
             raise BadRequest("echo is not supported")
-        prompts = self._prompts(req.prompt)
+        prompts = await self._prompts(req.prompt)
+        reply = self._reply(False, req.logprobs is not None)
         # OpenAI's default of 16 applies only when neither the request nor the model sets one.
         asked = req.max_tokens if "max_tokens" in req.model_fields_set else None
-        items = self._items(prompts, req, asked, req.logprobs or 0, 16)
-        return Prepared(items, [len(p) for p in prompts], self._reply(False, req.logprobs is not None),
-                        req.stream, bool(req.stream_options and req.stream_options.include_usage))
+        items = self._items(prompts, req, asked, req.logprobs or 0, 16, reply.id)
+        return Prepared(items, [len(p) for p in prompts], reply, req.stream,
+                        bool(req.stream_options and req.stream_options.include_usage))
 
-    def _prompts(self, prompt: Any) -> list[list[int]]:
+    async def _prompts(self, prompt: Any) -> list[list[int]]:
+        encoder = self.client.encoder
         if isinstance(prompt, str):
-            return [self.client.tokenize(prompt)]
+            return [await encoder.encode(prompt)]
         if not prompt:
             raise BadRequest("prompt is empty")
         if all(isinstance(p, int) for p in prompt):
             return [list(prompt)]
-        return [self.client.tokenize(p) if isinstance(p, str) else list(p) for p in prompt]
+        for p in prompt:  # every length first: refuse before tokenizing any of them
+            if isinstance(p, str):
+                encoder.check_chars(len(p))
+        return [await encoder.encode(p) if isinstance(p, str) else list(p) for p in prompt]
+
+    def chat_text(self, req: ChatCompletionRequest) -> str:
+        """The prompt text transformers' ``apply_chat_template`` would give."""
+        messages, tools = template_inputs(req)
+        return self.template.render(messages, add_generation_prompt=True, tools=tools)
 
     def chat_prompt(self, req: ChatCompletionRequest) -> list[int]:
-        """The prompt tokens transformers' ``apply_chat_template`` would give."""
-        messages, tools = template_inputs(req)
-        text = self.template.render(messages, add_generation_prompt=True, tools=tools)
-        return self.client.tokenize(text, self.template.tokenize_with_special_tokens)
+        """``chat_text``'s tokens, here and now (``prepare_chat`` does it off the loop)."""
+        return self.client.tokenize(self.chat_text(req), self.template.tokenize_with_special_tokens)
 
-    def prepare_chat(self, req: ChatCompletionRequest) -> Prepared:
-        ids = self.chat_prompt(req)
+    async def prepare_chat(self, req: ChatCompletionRequest) -> Prepared:
+        encoder = self.client.encoder
+        size = sum(len(m.content) if isinstance(m.content, str) else
+                   sum(len(part.text) for part in m.content or ()) for m in req.messages)
+        encoder.check_chars(size)  # before rendering: the template can only add to it
+        text = await encoder.run(size, self.chat_text, req)
+        ids = await encoder.encode(text, self.template.tokenize_with_special_tokens)
         max_tokens = req.max_completion_tokens if req.max_tokens is None else req.max_tokens
         top = (req.top_logprobs or 0) if req.logprobs else 0
-        items = self._items([ids], req, max_tokens, top, None)
-        return Prepared(items, [len(ids)], self._reply(True, req.logprobs), req.stream,
+        reply = self._reply(True, req.logprobs)
+        items = self._items([ids], req, max_tokens, top, None, reply.id)
+        return Prepared(items, [len(ids)], reply, req.stream,
                         bool(req.stream_options and req.stream_options.include_usage))
 
-    async def respond(self, prep: Prepared) -> Any:
-        admission = self.client.admit(len(prep.items))
+    async def respond(self, prep: Prepared, raw: Request) -> Any:
+        admission = self.client.admit(len(prep.items), [prep.reply.id])
         if prep.stream:
             return GuardedStream(self._stream(prep), admission)
         with admission:
-            outs = await collect_all(self.client, prep.items)
+            outs = await unless_disconnected(raw.receive, collect_all(self.client, prep.items))
+        if outs is None:
+            return error(CLIENT_GONE, "client disconnected")
         return {**prep.reply.header(False),
                 "choices": [prep.reply.choice(i, o) for i, o in enumerate(outs)],
                 "usage": usage(prep.prompt_lens, outs)}
@@ -151,17 +181,30 @@ class OpenAIFrontend:
         yield SSE_DONE
 
 
+def openai_precheck(client: EngineClient) -> Callable[[dict[str, Any]], None]:
+    """Batch sizes and list lengths checked on the raw JSON, before validating any item."""
+    limits = client.limits
+
+    def check(payload: dict[str, Any]) -> None:
+        check_prompt_lists(payload, "prompt", limits.capacity, limits.context_length)
+        check_list(payload, "messages", MAX_MESSAGES, "messages")
+        check_list(payload, "stop", MAX_STOP_STRINGS, "stop strings")
+
+    return check
+
+
 async def _handle(raw: Request, state: ServerState, model: type[Any],
-                  prepare: Callable[[Any], Any], respond: Callable[[Any], Awaitable[Any]]) -> Any:
+                  prepare: Callable[[Any], Awaitable[Prepared]],
+                  respond: Callable[[Prepared, Request], Awaitable[Any]]) -> Any:
     """Parse, check health, run; map failures to the standard error bodies."""
     try:
-        body = await parse_body(raw, model)
+        body = await parse_body(raw, model, openai_precheck(state.client))
         problem = state.unhealthy_reason()
         if problem:
             return error(503, problem, {"Retry-After": "1"})
-        return await respond(prepare(body))
+        return await respond(await prepare(body), raw)
     except (BadRequest, ValueError) as exc:  # ValueError: the chat template's raise_exception
-        return error(400, str(exc))
+        return error(400, str(exc)[:1000])
     except (Overloaded, EngineUnavailable) as exc:
         return error(503, str(exc), {"Retry-After": "1"})
 

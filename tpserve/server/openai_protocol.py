@@ -29,7 +29,8 @@ class SamplingFields(BaseModel):
     n: int = Field(1, ge=1, le=16, description="choices per prompt")
     stream: bool = False
     stream_options: StreamOptions | None = None
-    stop: Stop = Field(None, description="up to 4 strings that end generation (not returned)")
+    stop: Stop = Field(None, description="up to 64 strings of up to 256 characters that end "
+                                         "generation (not returned)")
     seed: int | None = Field(None, ge=-(2**63), le=2**63 - 17,
                              description="same seed + prompt = same output")
     presence_penalty: float | None = Field(None, ge=-2, le=2)
@@ -38,7 +39,7 @@ class SamplingFields(BaseModel):
     # tpserve extensions (SGLang/vLLM names), e.g. via the openai client's extra_body
     top_k: int | None = Field(None, ge=-1, description="-1 disables")
     min_p: float | None = Field(None, ge=0, le=1)
-    repetition_penalty: float | None = Field(None, gt=0)
+    repetition_penalty: float | None = Field(None, gt=0, le=100)
     ignore_eos: bool = False
     min_tokens: int = Field(0, ge=0)
 

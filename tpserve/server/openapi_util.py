@@ -9,7 +9,7 @@ ASGI guard can give, so schema-driven clients and fuzzers see what the server re
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from fastapi import FastAPI
@@ -38,8 +38,8 @@ def _add_models(schema: dict[str, Any], models: Iterable[type[BaseModel]]) -> No
         comps.setdefault(model.__name__, body)
 
 
-def _add_guards(schema: dict[str, Any], secured: bool, open_paths: frozenset[str]) -> None:
-    if secured:
+def _add_guards(schema: dict[str, Any], keyed: Callable[[str], bool]) -> None:
+    if any(keyed(path) for path in schema.get("paths", {})):
         schema["components"]["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
     for path, ops in schema.get("paths", {}).items():
         for op in ops.values():
@@ -49,13 +49,13 @@ def _add_guards(schema: dict[str, Any], secured: bool, open_paths: frozenset[str
                 answers.setdefault("400", _error_response("invalid request"))
             if "requestBody" in op:
                 answers.setdefault("413", _error_response("request body too large"))
-            if secured and path not in open_paths:
+            if keyed(path):
                 op["security"] = [{"bearer": []}]
                 answers.setdefault("401", _error_response("missing or wrong API key"))
 
 
-def finish_schema(app: FastAPI, models: Iterable[type[BaseModel]], secured: bool,
-                  open_paths: frozenset[str]) -> None:
+def finish_schema(app: FastAPI, models: Iterable[type[BaseModel]],
+                  keyed: Callable[[str], bool]) -> None:
     """Wrap ``app.openapi`` so the generated schema is completed once, on first use."""
     base = app.openapi
     body_models = tuple(models)
@@ -64,7 +64,7 @@ def finish_schema(app: FastAPI, models: Iterable[type[BaseModel]], secured: bool
         if app.openapi_schema is None:
             schema = base()  # FastAPI caches it in app.openapi_schema; we edit in place
             _add_models(schema, body_models)
-            _add_guards(schema, secured, open_paths)
+            _add_guards(schema, keyed)
         return app.openapi_schema  # type: ignore[return-value]
 
     app.openapi = openapi  # type: ignore[method-assign]

@@ -44,6 +44,7 @@ class ServerState:
         live = await self.client.call(_engine_snapshot)
         args = dataclasses.asdict(self.args)
         args.pop("api_key", None)
+        args.pop("admin_api_key", None)
         return {**args, **self.static_info, **live}
 
 

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator
-from typing import Any
+from collections.abc import AsyncIterator, Awaitable
+from typing import Any, TypeVar
 
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
@@ -18,7 +18,8 @@ from starlette.types import Receive, Scope, Send
 from tpserve.engine.request import RequestOutput
 from tpserve.server.engine_client import Admission, EngineClient
 
-Item = tuple[Any, ...]  # (prompt ids, SamplingParams, rid or None): generate()'s arguments
+Item = tuple[Any, ...]  # (prompt ids, SamplingParams, label): generate()'s arguments
+T = TypeVar("T")
 
 
 async def collect(client: EngineClient, item: Item) -> RequestOutput:
@@ -41,8 +42,13 @@ async def collect_all(client: EngineClient, items: list[Item]) -> list[RequestOu
 
 async def merged(client: EngineClient, items: list[Item]
                  ) -> AsyncIterator[tuple[int, RequestOutput]]:
-    """(index, event) from every request as they arrive, until all have finished."""
-    queue: asyncio.Queue[tuple[int, RequestOutput | BaseException | None]] = asyncio.Queue()
+    """(index, event) from every request as they arrive, until all have finished.
+
+    The queue is bounded so that a slow reader holds the pumps back, and each request's
+    events then merge in its mailbox instead of piling up here.
+    """
+    queue: asyncio.Queue[tuple[int, RequestOutput | BaseException | None]] = asyncio.Queue(
+        maxsize=len(items))
 
     async def pump(index: int, item: Item) -> None:
         try:
@@ -96,3 +102,26 @@ class GuardedStream(StreamingResponse):
             if close is not None:
                 await close()
             self._admission.release()
+
+
+async def unless_disconnected(receive: Receive, work: Awaitable[T]) -> T | None:
+    """``work``'s result, or None once the client has gone (``work`` is then cancelled, which
+    aborts its engine requests and frees their KV pages).
+
+    A non-streaming handler otherwise never hears of a disconnect: nothing is sent until the
+    end. ``receive`` must be past the request body, so the next message is the disconnect.
+    """
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_disconnect(receive))
+    try:
+        done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        return task.result() if task in done else None
+    finally:
+        for pending in (task, watcher):
+            pending.cancel()
+        await asyncio.gather(task, watcher, return_exceptions=True)
+
+
+async def _disconnect(receive: Receive) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass

@@ -1,0 +1,15 @@
+"""The errors a request can end in before or instead of a normal answer, by HTTP status."""
+
+from __future__ import annotations
+
+
+class BadRequest(ValueError):
+    """Client error: becomes HTTP 400 with the message."""
+
+
+class Overloaded(RuntimeError):
+    """Too many requests waiting: becomes HTTP 503 with Retry-After."""
+
+
+class EngineUnavailable(RuntimeError):
+    """The engine thread has stopped or is not answering: becomes HTTP 503."""
