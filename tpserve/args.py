@@ -49,6 +49,7 @@ class ServerArgs:
     chat_template: str | None = None  # FILE, a named template, or inline Jinja
     generation_config: str = "auto"  # auto | ignore | DIR
     attention_backend: str = "auto"  # tpserve.layers.attention.registry.NAMES
+    ep_size: int = 1  # expert parallelism for MoE layers: 1 or the TP size
     extra: dict[str, object] = field(default_factory=dict)
 
 
@@ -99,6 +100,8 @@ FLAG_HELP = {
     "attention_backend": "attention over the paged KV cache: auto (cpu on CPU where the native "
                          "kernel builds, flashinfer on CUDA where installed, else torch), torch, "
                          "cpu, flashinfer",
+    "ep_size": "MoE expert parallelism: 1 splits every expert over the TP ranks; the TP size "
+               "places whole experts on ranks (expert e on rank e // (experts / size))",
 }
 
 
