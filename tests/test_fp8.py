@@ -18,7 +18,6 @@ from tests.harness import build_engine, make_request, run_all, spawn
 from tests.moe_checkpoints import make_fp8_copy, make_moe_checkpoint
 from tests.test_model_vs_hf import assert_close, prefill_logits
 from tests.test_moe_vs_hf import GREEDY, PROMPTS, hf_reference
-from tpserve.engine.plan import StepPlan
 from tpserve.errors import ConfigError
 from tpserve.layers import fp8
 from tpserve.layers.quant import Fp8BlockWeights, resident_weight_bytes

@@ -26,11 +26,21 @@ from tpserve.layers.norm import RMSNorm
 from tpserve.layers.quant import Fp8ColumnParallelLinear, WeightFormat
 from tpserve.layers.rotary import RotaryAt, softmax_mscale
 from tpserve.layers.tp import NoComm, TPContext, divide
-from tpserve.models.config import ModelConfig
+from tpserve.models.config import MLAConfig, ModelConfig
 
-# Steps with at least this many queries per request expand the latent into per-head K/V
-# (see launch/bench_moe.py's MLA table); decode and speculative verify stay absorbed.
-EXPAND_MIN_QUERIES = 32
+
+def expand_min_queries(m: MLAConfig) -> int:
+    """Queries per request from which expanding the latent into per-head K/V is cheaper.
+
+    Per cached key and head, expanding costs (nope + v) * C multiply-adds once; per query,
+    key and head, absorbed attention costs 2C + R against expanded's nope + R + v. Equal at
+    Q = (nope + v) C / (2C - nope - v): 171 for DeepSeek-V3 (C 512, nope 128, v 128) and 128
+    for launch/bench_moe.py's shape, whose measured crossover lies between 64 and 256.
+    Decode and speculative verify (a few queries) always stay absorbed.
+    """
+    c, nope, v = m.kv_lora_rank, m.qk_nope_head_dim, m.v_head_dim
+    return max(2, -(-(nope + v) * c // max(1, 2 * c - nope - v)))
+
 # q_a_layernorm / kv_a_layernorm use the RMSNorm default, not config.rms_norm_eps (as the
 # reference implementation does).
 LATENT_NORM_EPS = 1e-6
@@ -69,7 +79,7 @@ class MLAttention(nn.Module):
         self.scale = m.qk_head_dim**-0.5 * softmax_mscale(cfg.rope)
         self.w_uk: nn.Parameter | None = None
         self.w_uv: nn.Parameter | None = None
-        self.expand_min_queries = EXPAND_MIN_QUERIES
+        self.expand_min_queries = expand_min_queries(m)
 
     def finish_loading(self) -> None:
         """Split the loaded kv_b_proj into the per-head absorbed matrices."""

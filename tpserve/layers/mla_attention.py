@@ -36,12 +36,20 @@ def mla_attention(q_latent: torch.Tensor, q_pe: torch.Tensor, latent: torch.Tens
     q_latent: [B, Q, H, C] (q_nope folded through kv_b_proj's key half, C = kv_lora_rank);
     q_pe: [B, Q, H, R] (rope'd); latent: [B, Q, C + R] (this step's entries, written first);
     cache: [S, 1, C + R]; scale: the softmax scale. Returns [B, Q, H, C].
+
+    Every head reads the same latent, so heads fold into the query rows: one [Q*H, C+R] x
+    [C+R, T] product per sequence instead of SDPA's per-head copies of the keys (SDPA's CPU
+    path expands a shared key head to all heads and upcasts each copy). Scores, softmax and
+    the weighted sum run in float32, as SDPA's math path does for bf16 inputs.
     """
-    kv = write_latent(cache, latent, batch).to(q_latent.dtype).unsqueeze(1)  # [B, 1, T, C+R]
-    q = torch.cat((q_latent, q_pe), dim=-1).transpose(1, 2)  # [B, H, Q, C+R]
-    out = F.scaled_dot_product_attention(q, kv, kv[..., : q_latent.shape[-1]],
-                                         attn_mask=batch.mask, scale=scale, enable_gqa=True)
-    return out.transpose(1, 2)
+    b, q_len, heads, width = q_latent.shape
+    kv = write_latent(cache, latent, batch).float()  # [B, T, C+R]
+    q = torch.cat((q_latent, q_pe), dim=-1).float().reshape(b, q_len * heads, -1)
+    scores = torch.bmm(q, kv.transpose(1, 2)).mul_(scale)  # [B, Q*H, T]
+    mask = batch.mask[:, 0, :, None, :].expand(b, q_len, heads, -1).reshape(scores.shape)
+    probs = torch.softmax(scores.masked_fill_(~mask, float("-inf")), dim=-1)
+    out = torch.bmm(probs, kv[..., :width])
+    return out.view(b, q_len, heads, width).to(q_latent.dtype)
 
 
 def mla_attention_expanded(q_nope: torch.Tensor, q_pe: torch.Tensor, latent: torch.Tensor,

@@ -15,6 +15,7 @@ from safetensors import safe_open
 from torch import nn
 
 from tpserve.errors import ConfigError
+from tpserve.layers.fp8 import native_blockwise_gemm
 from tpserve.layers.quant import Fp8BlockWeights, quantized_modules, resident_weight_bytes
 from tpserve.layers.tp import TPContext
 from tpserve.loader import load_weights, safetensors_files
@@ -66,6 +67,8 @@ def build_model(model_dir: str | Path, tp: TPContext, dtype: torch.dtype, device
     load_weights(model, model_dir, names, aliases=aliases)
     if hasattr(model, "finish_loading"):
         model.finish_loading()
+    if cfg.quant is not None and device.type == "cuda":
+        native_blockwise_gemm(device)  # probe now: never first inside a CUDA-graph capture
     log.info("loaded %s shard %d/%d in %.2fs: %.1f MB of weights resident", Path(model_dir).name,
              tp.rank, tp.size, time.perf_counter() - start, resident_weight_bytes(model) / 1e6)
     return model.eval()
