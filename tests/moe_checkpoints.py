@@ -44,6 +44,13 @@ FAMILIES: dict[str, tuple[str, str, dict[str, Any]]] = {
 }
 
 
+# FP8 copy: a non-square block with partial edge blocks; an expert-heavy shape like the real
+# model (experts are ~95% of DeepSeek-V3's weights), so a tiny vocab's unquantised embeddings
+# do not dominate the byte count. Block-aligned at TP 2 (q_b_proj: 48 rows per rank).
+FP8_BLOCK = (16, 8)
+FP8_SHAPE = dict(n_routed_experts=16, moe_intermediate_size=64, intermediate_size=192)
+
+
 def _randomise(model: torch.nn.Module, seed: int) -> None:
     """Non-trivial norms, a non-zero correction bias, and routers decisive enough that fp32
     rounding never flips an expert choice."""
@@ -79,9 +86,12 @@ def make_moe_checkpoint(path: Path, family: str, *, seed: int = 0, vocab: int = 
 
 
 def hf_dir(path: Path) -> Path:
-    """Where transformers loads the reference from (Kimi: a DeepSeek-V3-typed copy)."""
-    twin = path.with_name(path.name + "_hf")
-    return twin if twin.is_dir() else path
+    """Where transformers loads the reference from (Kimi: a DeepSeek-V3-typed copy; FP8: the
+    dequantised weights)."""
+    for twin in (path.with_name(path.name + "_hf"), path.with_name(path.name + "_ref")):
+        if twin.is_dir():
+            return twin
+    return path
 
 
 def _edit_config(path: Path, **changes: Any) -> None:
@@ -148,3 +158,10 @@ def make_fp8_copy(src: Path, dst: Path, ref: Path, block: tuple[int, int]) -> No
     _edit_config(dst, quantization_config={"quant_method": "fp8", "fmt": "e4m3",
                                            "activation_scheme": "dynamic",
                                            "weight_block_size": list(block)})
+
+
+def make_fp8_checkpoints(root: Path) -> dict[str, Path]:
+    """{"src": bf16-shaped original, "fp8": its FP8 copy, "ref": the dequantised weights}."""
+    src = make_moe_checkpoint(root / "fp8_src", "deepseek", vocab=64, **FP8_SHAPE)
+    make_fp8_copy(src, root / "fp8", root / "fp8_ref", FP8_BLOCK)
+    return {"src": src, "fp8": root / "fp8", "ref": root / "fp8_ref"}

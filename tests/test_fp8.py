@@ -1,9 +1,9 @@
-"""FP8 block-scaled weights: the quantiser, the banded matmul, and a DeepSeek-V3 checkpoint.
+"""FP8 block-scaled weights: the quantiser, the banded matmul, resident bytes, refusals.
 
 The FP8 copy of a tiny DeepSeek-V3 checkpoint (our own block quantiser, a non-square block
-with partial edge blocks) must give the logits and greedy tokens of transformers run on the
-dequantised weights, at TP 1, TP 2 and TP 2 with expert parallelism, while holding <= 0.55x
-the bytes of the bf16 model.
+with partial edge blocks) holds <= 0.55x the bytes of the bf16 model; that it gives
+transformers' logits and greedy tokens on the dequantised weights at TP 1, TP 2 and TP 2
+with expert parallelism is checked with the other families in ``test_moe_vs_hf.py``.
 """
 
 from __future__ import annotations
@@ -14,10 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.harness import build_engine, make_request, run_all, spawn
-from tests.moe_checkpoints import make_fp8_copy, make_moe_checkpoint
-from tests.test_model_vs_hf import assert_close, prefill_logits
-from tests.test_moe_vs_hf import GREEDY, PROMPTS, hf_reference
+from tests.moe_checkpoints import FP8_BLOCK, make_fp8_checkpoints
 from tpserve.errors import ConfigError
 from tpserve.layers import fp8
 from tpserve.layers.quant import Fp8BlockWeights, resident_weight_bytes
@@ -26,10 +23,7 @@ from tpserve.models.config import load_config
 from tpserve.models.deepseek_v3 import DeepseekV3ForCausalLM
 from tpserve.models.registry import build_model
 
-BLOCK = (16, 8)
-# Expert-heavy like the real model (where experts are ~95% of the weights), so the
-# unquantised embeddings of a tiny vocab do not dominate the byte count.
-SHAPE = dict(n_routed_experts=16, moe_intermediate_size=64, intermediate_size=192)
+BLOCK = FP8_BLOCK
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -42,10 +36,7 @@ def one_thread() -> Iterator[None]:
 
 @pytest.fixture(scope="module")
 def ckpts(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("fp8")
-    src = make_moe_checkpoint(root / "bf16", "deepseek", vocab=64, **SHAPE)
-    make_fp8_copy(src, root / "fp8", root / "dequant", BLOCK)
-    return {"src": src, "fp8": root / "fp8", "ref": root / "dequant"}
+    return make_fp8_checkpoints(tmp_path_factory.mktemp("fp8"))
 
 
 def test_quantize_dequantize_against_float64() -> None:
@@ -69,45 +60,6 @@ def test_banded_cpu_matmul(monkeypatch: pytest.MonkeyPatch) -> None:
     assert fp8.band_rows(48, BLOCK[0]) == 16
     torch.testing.assert_close(fp8.fp8_linear(x, q, scale, BLOCK).double(), ref, rtol=1e-5,
                                atol=1e-5)
-
-
-@pytest.fixture(scope="module")
-def reference(ckpts: dict[str, Path]) -> tuple[list[torch.Tensor], list[list[int]]]:
-    return hf_reference(ckpts["ref"])
-
-
-def test_fp8_matches_hf_on_dequantised_weights_tp1(ckpts: dict[str, Path],
-                                                    reference: tuple) -> None:
-    logits, greedy = reference
-    engine = build_engine(ckpts["fp8"], TPContext.single())
-    for ids, ref in zip(PROMPTS, logits):
-        assert_close(prefill_logits(engine, ids), ref, "fp8 TP=1")
-    outs = run_all(engine, [make_request(f"r{i}", p, GREEDY) for i, p in enumerate(PROMPTS)])
-    assert outs == greedy
-
-
-def _rank_main(rank: int, world: int, path: Path) -> dict:
-    from comm_backends.torch_dist import GlooAllReduce
-    from tests.test_moe_vs_hf import _run
-    from tpserve.control import ControlChannel
-
-    channel = ControlChannel(None)
-    comm = GlooAllReduce(None, torch.device("cpu"))
-    out = {}
-    for ep in (1, world):
-        engine = build_engine(path, TPContext(rank, world, comm, ep_size=ep),
-                              channel if rank == 0 else None)
-        out[ep] = _run(engine, rank, channel)
-    channel.close()
-    return out
-
-
-def test_fp8_tensor_and_expert_parallel(ckpts: dict[str, Path], reference: tuple) -> None:
-    logits, greedy = reference
-    results = spawn(2, _rank_main, ckpts["fp8"])
-    for ep, (got, outs) in results[0].items():
-        assert_close(got, logits[0], f"fp8 TP=2 ep={ep}")
-        assert outs == greedy, f"fp8 TP=2 ep={ep}"
 
 
 def test_resident_bytes_and_fp8_storage(ckpts: dict[str, Path]) -> None:

@@ -46,15 +46,17 @@ def _sorted(weights: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, tor
     return weights.gather(1, order), ids.gather(1, order)
 
 
-@pytest.mark.parametrize("family", ["deepseek", "kimi", "qwen3_moe", "mixtral"])
-def test_router_matches_hf(family: str) -> None:
+@pytest.mark.parametrize("family,changes", [
+    ("deepseek", {}), ("deepseek", {"norm_topk_prob": False}), ("kimi", {}),
+    ("qwen3_moe", {}), ("qwen3_moe", {"norm_topk_prob": False}), ("mixtral", {})])
+def test_router_matches_hf(family: str, changes: dict) -> None:
     from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkRouter
     from transformers.models.mixtral.modeling_mixtral import MixtralTopKRouter
     from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeTopKRouter
 
     hf_cls = {"deepseek": DeepseekV3TopkRouter, "kimi": DeepseekV3TopkRouter,
               "qwen3_moe": Qwen3MoeTopKRouter, "mixtral": MixtralTopKRouter}[family]
-    cfg = hf_config(family)
+    cfg = hf_config(family, **changes)
     torch.manual_seed(0)
     hf = hf_cls(cfg)
     router = Router(H, ours(cfg).moe, torch.device("cpu"))

@@ -4,8 +4,10 @@ Each family's tiny random checkpoint has the features that matter: DeepSeek-V3 w
 yarn (mscale != mscale_all_dim), a dense first layer, grouped noaux_tc routing with a non-zero
 correction bias and a shared expert, plus a multi-token-prediction layer in its own shard of
 an indexed checkpoint; Kimi-K2 with one expert group and a plain q_proj; Qwen3-MoE with a
-dense ``mlp_only`` layer; Mixtral. Logits must agree within 1e-4 relative and greedy outputs
-token for token, with experts split tensor-parallel and with ``--ep-size`` = TP.
+dense ``mlp_only`` layer; Mixtral; and an FP8 block-quantised DeepSeek-V3 copy, against
+transformers on the dequantised weights (TP 1 and 2: its blocks do not divide at TP 4).
+Logits must agree within 1e-4 relative and greedy outputs token for token, with experts
+split tensor-parallel and with ``--ep-size`` = TP.
 """
 
 from __future__ import annotations
@@ -17,7 +19,13 @@ import pytest
 import torch
 
 from tests.harness import build_engine, make_request, run_all, spawn
-from tests.moe_checkpoints import FAMILIES, add_mtp_layer, hf_dir, make_moe_checkpoint
+from tests.moe_checkpoints import (
+    FAMILIES,
+    add_mtp_layer,
+    hf_dir,
+    make_fp8_checkpoints,
+    make_moe_checkpoint,
+)
 from tests.test_model_vs_hf import assert_close, prefill_logits
 from tpserve.engine.plan import StepPlan
 from tpserve.engine.sampling_params import SamplingParams
@@ -43,6 +51,7 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     paths = {f: make_moe_checkpoint(root / f, f, shards=2 if f == "deepseek" else 1)
              for f in FAMILIES}
     add_mtp_layer(paths["deepseek"])
+    paths["deepseek_fp8"] = make_fp8_checkpoints(root)["fp8"]
     return paths
 
 
@@ -118,4 +127,5 @@ def test_tp1_matches_hf(checkpoints: dict[str, Path], reference: dict) -> None:
 @pytest.mark.parametrize("world", [2, 4])
 def test_tensor_and_expert_parallel_match_hf(checkpoints: dict[str, Path], reference: dict,
                                              world: int) -> None:
-    _check(spawn(world, _rank_main, checkpoints), reference, world)
+    paths = {f: p for f, p in checkpoints.items() if world == 2 or f != "deepseek_fp8"}
+    _check(spawn(world, _rank_main, paths), reference, world)
