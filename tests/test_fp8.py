@@ -96,3 +96,18 @@ def test_cuda_block_gemm() -> None:
     cuda = tuple(int(v) for v in (torch.version.cuda or "0.0").split(".")[:2])
     if torch.cuda.get_device_capability()[0] == 9 and cuda >= (12, 9):
         assert fp8.native_blockwise_gemm(device), "Hopper with CUDA >= 12.9 should use scaled_mm"
+
+
+def test_fp8_tensor_outside_fp8_layers_is_refused(ckpts: dict[str, Path],
+                                                  tmp_path: Path) -> None:
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copy(ckpts["fp8"] / "config.json", tmp_path)
+    tensors = load_file(str(ckpts["fp8"] / "model.safetensors"))
+    q, scale = fp8.quantize(tensors["lm_head.weight"], BLOCK)
+    tensors.update({"lm_head.weight": q, "lm_head.weight_scale_inv": scale})
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    with pytest.raises(ConfigError, match="lm_head"):
+        build_model(tmp_path, TPContext.single(), torch.float32, torch.device("cpu"), 64)

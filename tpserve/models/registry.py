@@ -56,13 +56,28 @@ def _format_kwargs(cls: type[nn.Module], cfg: ModelConfig, model_dir: Path) -> d
     return {"weights": Fp8BlockWeights(cfg.quant.block, quantized)}
 
 
+def _check_fp8_covered(model: Any, names: dict[str, Any], fmt: Any) -> None:
+    """Every FP8 tensor the model loads must land in an FP8 layer (with its scales): copied
+    into a dense parameter it would silently lose its block scales."""
+    if not isinstance(fmt, Fp8BlockWeights):
+        return
+    ignored = getattr(model, "ignored_checkpoint_tensor", lambda name: False)
+    uncovered = sorted(m for m in fmt.quantized if f"{m}.weight_scale_inv" not in names
+                       and not ignored(f"{m}.weight"))
+    if uncovered:
+        raise ConfigError(f"FP8 weights for '{uncovered[0]}' are not supported (only decoder "
+                          "projections and experts)")
+
+
 def build_model(model_dir: str | Path, tp: TPContext, dtype: torch.dtype, device: torch.device,
                 max_position: int, cfg: ModelConfig | None = None) -> Any:
     cfg = cfg or load_config(model_dir)
     start = time.perf_counter()
     cls = MODELS[cfg.architecture]
-    model = cls(cfg, tp, dtype, device, max_position, **_format_kwargs(cls, cfg, Path(model_dir)))
+    kwargs = _format_kwargs(cls, cfg, Path(model_dir))
+    model = cls(cfg, tp, dtype, device, max_position, **kwargs)
     names = model.checkpoint_names()
+    _check_fp8_covered(model, names, kwargs.get("weights"))
     aliases = {"lm_head.weight": "model.embed_tokens.weight"} if cfg.tie_word_embeddings else {}
     load_weights(model, model_dir, names, aliases=aliases)
     if hasattr(model, "finish_loading"):
