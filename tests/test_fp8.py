@@ -51,15 +51,18 @@ def test_quantize_dequantize_against_float64() -> None:
     assert ((ref - w.double()).abs() <= w.abs().double() * 2**-3 + 1e-6).all()  # e4m3: 3 bits
 
 
-def test_banded_cpu_matmul(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("rows", [1, 5, 40])  # scaled-input path (<= 16 rows), bands
+def test_cpu_matmul_paths(monkeypatch: pytest.MonkeyPatch, rows: int) -> None:
     torch.manual_seed(1)
-    q, scale = fp8.quantize(torch.randn(70, 48), BLOCK)
-    x = torch.randn(5, 48)
+    q, scale = fp8.quantize(torch.randn(70, 45), BLOCK)  # partial edge blocks both ways
+    x = torch.randn(rows, 45)
     ref = x.double() @ fp8.dequantize(q, scale, BLOCK).double().t()
-    monkeypatch.setattr(fp8, "SCRATCH_ELEMENTS", 16 * 48)  # 16-row bands, last one partial
-    assert fp8.band_rows(48, BLOCK[0]) == 16
-    torch.testing.assert_close(fp8.fp8_linear(x, q, scale, BLOCK).double(), ref, rtol=1e-5,
-                               atol=1e-5)
+    monkeypatch.setattr(fp8, "SCRATCH_ELEMENTS", 16 * 45)  # 16-row bands, last one partial
+    assert fp8.band_rows(45, BLOCK[0]) == 16
+    got = fp8.fp8_linear(x, q, scale, BLOCK).double()
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+    bf16 = fp8.fp8_linear(x.bfloat16(), q, scale, BLOCK).double()
+    assert (bf16 - ref).abs().max() <= 0.02 * ref.abs().max()
 
 
 def test_resident_bytes_and_fp8_storage(ckpts: dict[str, Path]) -> None:
