@@ -1,6 +1,6 @@
 """DeepSeek-V3-shaped MoE + MLA decode on CPU: tok/s, allreduces per step, where time goes.
 
-``python -m launch.bench_moe [--tokens 32 --batch 1 --tp 1 2 --json FILE]`` builds a random
+``python -m launch.bench_moe [--tokens 32 --batch 1 --tp 1 2 --fp8 --json FILE]`` builds a random
 bf16 checkpoint shaped like DeepSeek-V3 in miniature (hidden 512, 4 layers with the first
 dense, 16 routed experts top-4 in 2 groups, 1 shared expert, MLA with kv_lora_rank 128,
 rope 32, q_lora 192), then for each TP size runs the engine (one torch thread per rank) and
@@ -113,13 +113,22 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--tp", type=int, nargs="+", default=[1, 2])
     ap.add_argument("--allreduce", default="shm")
+    ap.add_argument("--fp8", action="store_true",
+                    help="also run an FP8 block-quantised copy (128x128) at each TP size")
     ap.add_argument("--skip-micro", action="store_true")
     ap.add_argument("--json")
     args = ap.parse_args(argv)
-    model = make_checkpoint(Path(tempfile.mkdtemp()) / "deepseek-mini")
+    root = Path(tempfile.mkdtemp())
+    model = make_checkpoint(root / "deepseek-mini")
+    runs = [(str(w), w, model) for w in args.tp]
+    if args.fp8:
+        from tests.moe_checkpoints import make_fp8_copy
+
+        make_fp8_copy(model, root / "fp8", root / "fp8-dequantised", (128, 128))
+        runs += [(f"{w} fp8", w, root / "fp8") for w in args.tp]
     results: dict[str, Any] = {"shape": SHAPE, "batch": args.batch, "tp": {}}
-    for world in args.tp:
-        results["tp"][world] = run_tp(world, model, args.batch, args.tokens, args.allreduce)
+    for label, world, path in runs:
+        results["tp"][label] = run_tp(world, path, args.batch, args.tokens, args.allreduce)
     print_table(results)
     if not args.skip_micro:
         torch.set_num_threads(1)

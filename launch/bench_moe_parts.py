@@ -79,14 +79,14 @@ def install_timers(model: torch.nn.Module, comm: Any) -> ScopeTimer:
 
 def print_table(results: dict[str, Any]) -> None:
     runs = results["tp"]
-    print(f"{'TP':>3}{'tok/s':>9}{'ms/step':>9}{'allreduces/step':>17}")
+    print(f"{'TP':>7}{'tok/s':>9}{'ms/step':>9}{'allreduces/step':>17}")
     for world, r in runs.items():
-        print(f"{world:>3}{r['tok_s']:>9.1f}{r['step_ms']:>9.2f}{r['allreduces_per_step']:>17.1f}")
+        print(f"{world:>7}{r['tok_s']:>9.1f}{r['step_ms']:>9.2f}{r['allreduces_per_step']:>17.1f}")
     scopes = sorted({s for r in runs.values() for s in r["scope_share"]})
     print(f"\nrank 0 time share per decode step (batch {results['batch']})")
-    print(f"{'scope':<30}" + "".join(f"{'TP=' + str(w):>9}" for w in runs))
+    print(f"{'scope':<30}" + "".join(f"{'TP=' + str(w):>11}" for w in runs))
     for scope in scopes:
-        print(f"{scope:<30}" + "".join(f"{r['scope_share'].get(scope, 0.0):>9.1%}"
+        print(f"{scope:<30}" + "".join(f"{r['scope_share'].get(scope, 0.0):>11.1%}"
                                        for r in runs.values()))
 
 
