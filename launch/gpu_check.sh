@@ -34,6 +34,10 @@ echo "== tests/test_comm_cuda.py"
 # capture-safe backend at world size 1; then decode tok/s with/without graphs vs HBM limit.
 echo "== tests/test_cuda_graphs.py"
 "$PY" -m pytest tests/test_cuda_graphs.py -q -rs 2>&1 | tee "$OUT_DIR/pytest_graphs.txt"
+# MoE / MLA / FP8 (issue 14): DeepSeek-V3 eager and graphed on CUDA vs CPU, FP8 block GEMM.
+echo "== tests/test_moe_cuda.py tests/test_fp8.py (CUDA parts)"
+"$PY" -m pytest tests/test_moe_cuda.py "tests/test_fp8.py::test_cuda_block_gemm" -q -rs 2>&1 \
+    | tee "$OUT_DIR/pytest_moe.txt"
 echo "== decode table (~1B random Llama, batch 1/8/32, eager vs CUDA graphs)"
 "$PY" -m launch.gpu_decode_table --json "$OUT_DIR/decode_table.json" 2>&1 \
     | grep -v "^INFO" | tee "$OUT_DIR/decode_table.txt"
