@@ -86,11 +86,10 @@ def test_correction_bias_changes_selection_not_weights() -> None:
         router.e_score_correction_bias[3] = 10.0  # expert 3 always selected
         w1, ids1 = router(x)
     assert (ids1 == 3).any(-1).all() and not (ids0 == 3).any(-1).all()
-    scores = torch.sigmoid(x @ router.weight.t())[:, 3]
-    raw = w1[ids1 == 3] / cfg.routed_scaling_factor
-    picked = scores.gather(0, torch.arange(16)) / torch.sigmoid(
-        x @ router.weight.t()).gather(1, ids1).sum(-1)
-    torch.testing.assert_close(raw, picked)  # the weight is the unbiased score, renormalised
+    sig = torch.sigmoid(x @ router.weight.t())
+    # The weight is the unbiased score, renormalised over the chosen experts, then scaled.
+    expected = sig[:, 3] / sig.gather(1, ids1).sum(-1) * cfg.routed_scaling_factor
+    torch.testing.assert_close(w1[ids1 == 3], expected)
 
 
 def _load_from_hf(moe: SparseMoE, hf) -> None:  # type: ignore[no-untyped-def]
