@@ -59,7 +59,7 @@ def _decode(engine: Any, timer: ScopeTimer, batch: int, tokens: int) -> dict[str
     for r in reqs:
         sched.add(r)
     engine.engine.step(sched.next_batch())  # prefill, not timed
-    comm = engine.setup.runner.comm
+    comm = engine.built.runner.comm
     comm.reset_stats()
     timer.reset()
     steps, start = 0, time.perf_counter()
@@ -84,7 +84,7 @@ def _rank(rank: int, world: int, port: int, model: str, batch: int, tokens: int,
                       cpu_threads=1, kv_cache_gb=0.25, context_length=1024,
                       max_total_tokens=8192)
     engine = OfflineEngine(args)
-    timer = install_timers(engine.setup.runner.model, engine.setup.runner.comm)
+    timer = install_timers(engine.built.runner.model, engine.built.runner.comm)
     if rank != 0:
         engine.follow()
         return

@@ -21,13 +21,12 @@ from tests.moe_checkpoints import add_mtp_layer, make_moe_checkpoint
 from tests.test_model_vs_hf import assert_close, prefill_logits
 from tests.test_moe_vs_hf import GREEDY, PROMPTS, hf_reference
 from tpserve.args import ServerArgs
-from tpserve.dist import RankInfo
-from tpserve.engine.kv_cache import KVCacheConfig, KVLayout
+from tpserve.engine.build import build_engine as build_rank
+from tpserve.engine.kv_cache import KVLayout
 from tpserve.layers.tp import TPContext
 from tpserve.loader import iter_slices, safetensors_files
 from tpserve.models.config import load_config
 from tpserve.models.registry import build_model
-from tpserve.serve import make_kv
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -52,28 +51,27 @@ def test_latent_cache_size_and_capacity(ckpt: Path) -> None:
     layout = model.kv_layout()
     latent = mla.kv_lora_rank + mla.qk_rope_head_dim
     assert layout.bytes_per_token(dtype) == cfg.num_layers * latent * 2
-    info = RankInfo(0, 1, 0, 1, torch.device("cpu"))
-    args = ServerArgs(model=str(ckpt), kv_cache_gb=1 / 1024, page_size=4)
-    kv = make_kv(args, cfg, model, info, dtype, context_length=64)
+    args = ServerArgs(model=str(ckpt), device="cpu", dtype="bfloat16", allreduce="gloo",
+                      kv_cache_gb=1 / 1024, page_size=4, context_length=64, cpu_threads=1)
+    kv = build_rank(args).runner.kv
+    assert kv.cfg.bytes_per_token == layout.bytes_per_token(dtype)  # kv_cache_bytes_per_token
+    assert kv.cfg.num_pages == (1 << 20) // (kv.cfg.bytes_per_token * 4)  # the whole 1 MiB
     assert kv.layers[0][0].shape == (kv.cfg.num_pages * 4, 1, latent) and len(kv.layers[0]) == 1
     # The same attention with per-head K (192-wide in DeepSeek-V3) and V cached.
     expanded = KVLayout(cfg.num_layers, ((cfg.num_heads, mla.qk_head_dim),
                                          (cfg.num_heads, mla.v_head_dim)))
-    budget = 1 << 20
-    pages = {name: KVCacheConfig.pages_for_budget(budget, 4, lay, dtype)
-             for name, lay in (("latent", layout), ("expanded", expanded))}
+    expanded_pages = (1 << 20) // (expanded.bytes_per_token(dtype) * 4)
     ratio = expanded.bytes_per_token(dtype) / layout.bytes_per_token(dtype)
-    assert pages["latent"] == budget // (layout.bytes_per_token(dtype) * 4)
-    assert pages["latent"] >= int(pages["expanded"] * ratio) - 1 and ratio > 3
+    assert ratio > 3 and kv.cfg.num_pages >= int(expanded_pages * ratio) - 1
 
 
 def test_expanded_prefill_matches_hf(ckpt: Path) -> None:
     logits, greedy = hf_reference(ckpt)
-    engine = build_engine(ckpt, TPContext.single())
+    engine = build_engine(ckpt)
     for layer in engine.runner.model.layers:
         layer.self_attn.expand_min_queries = 2  # every multi-token step expands
     for ids, ref in zip(PROMPTS, logits):
-        assert_close(prefill_logits(engine, ids), ref, "expanded MLA")
+        assert_close(prefill_logits(engine.runner, ids), ref, "expanded MLA")
     outs = run_all(engine, [make_request(f"r{i}", p, GREEDY) for i, p in enumerate(PROMPTS)])
     assert outs == greedy
 

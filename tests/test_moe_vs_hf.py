@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.harness import build_engine, make_request, run_all, spawn
+from tests.harness import build, build_engine, make_request, run_all, spawn
 from tests.moe_checkpoints import (
     FAMILIES,
     add_mtp_layer,
@@ -27,9 +27,8 @@ from tests.moe_checkpoints import (
     make_moe_checkpoint,
 )
 from tests.test_model_vs_hf import assert_close, prefill_logits
-from tpserve.engine.plan import StepPlan
 from tpserve.engine.sampling_params import SamplingParams
-from tpserve.layers.tp import TPContext
+from tpserve.layers.experts import ExpertStack
 
 PROMPTS = [[5, 7, 9, 11, 13, 3, 4], [20, 21, 22], [1, 40, 41, 42, 43, 44, 45, 46, 47, 48, 49]]
 NEW_TOKENS = 12
@@ -75,51 +74,46 @@ def reference(checkpoints: dict[str, Path]) -> dict[str, tuple[list[torch.Tensor
     return {f: hf_reference(p) for f, p in checkpoints.items()}
 
 
-def _run(engine, rank: int, channel) -> tuple[torch.Tensor, list[list[int]] | None]:  # type: ignore[no-untyped-def]
-    from tpserve.engine.engine import follow
-
-    if rank != 0:
-        logits = prefill_logits(engine, PROMPTS[0])
-        follow(engine.runner, channel)
-        return logits, None
-    logits = prefill_logits(engine, PROMPTS[0])
-    outs = run_all(engine, [make_request(f"r{i}", p, GREEDY) for i, p in enumerate(PROMPTS)])
-    if channel is not None:
-        channel.send(StepPlan(kind="shutdown"))
-    return logits, outs
-
-
 def _rank_main(rank: int, world: int, paths: dict[str, Path]) -> dict:
-    import comm_backends
-    from tpserve.control import ControlChannel
-
-    channel = ControlChannel(None)
-    comm = comm_backends.create("shm", None, torch.device("cpu"))
+    """Every family at TP = world, experts split (ep 1) and placed (ep = world)."""
     out = {}
     for ep in (1, world):
         for family, path in paths.items():
-            tp = TPContext(rank, world, comm, ep_size=ep)
-            engine = build_engine(path, tp, channel if rank == 0 else None)
-            out[(family, ep)] = _run(engine, rank, channel)
-    channel.close()
+            built = build(path, allreduce="shm", ep_size=ep)
+            stack = next(m for m in built.runner.model.modules() if isinstance(m, ExpertStack))
+            placed = (stack.first, stack.local_experts, stack.num_experts)
+            logits = prefill_logits(built.runner, PROMPTS[0])  # all ranks: paired allreduces
+            if built.engine is not None:
+                reqs = [make_request(f"r{i}", p, GREEDY) for i, p in enumerate(PROMPTS)]
+                out[(family, ep)] = (logits, run_all(built.engine, reqs), placed)
+                built.shutdown_followers()
+            else:
+                built.follow()
+                out[(family, ep)] = (logits, None, placed)
+            if built.channel is not None:
+                built.channel.close()
     return out
 
 
 def _check(results: list[dict], reference: dict, world: int) -> None:
-    for (family, ep), (logits, outs) in results[0].items():
+    for (family, ep), (logits, outs, _) in results[0].items():
         ref_logits, ref_outs = reference[family]
         what = f"{family} TP={world} ep={ep}"
         assert_close(logits, ref_logits[0], what)
         assert outs == ref_outs, what
-        for rank in range(1, world):
+        for rank in range(world):
             assert torch.equal(results[rank][(family, ep)][0], logits), f"{what}: ranks disagree"
+            first, local, total = results[rank][(family, ep)][2]
+            # ep 1: every expert on every rank; ep = TP: expert e on rank e // (E / TP)
+            expected = (0, total) if ep == 1 else (rank * total // world, total // world)
+            assert (first, local) == expected, what
 
 
 def test_tp1_matches_hf(checkpoints: dict[str, Path], reference: dict) -> None:
     for family, path in checkpoints.items():
-        engine = build_engine(path, TPContext.single())
+        engine = build_engine(path)
         for ids, ref in zip(PROMPTS, reference[family][0]):
-            assert_close(prefill_logits(engine, ids), ref, family)
+            assert_close(prefill_logits(engine.runner, ids), ref, family)
         outs = run_all(engine, [make_request(f"r{i}", p, GREEDY) for i, p in enumerate(PROMPTS)])
         assert outs == reference[family][1], family
 

@@ -37,7 +37,7 @@ def generate(target: Path, draft: Path | None, setting: tuple[int, int, int]
     engine = OfflineEngine(args_for(target, draft, *setting))
     prompts, params = prompts_and_params()
     outs = engine.generate(prompts, params)
-    accept = engine.engine.stats.extra.get("spec", {}).get("avg_accept_length", 0.0)
+    accept = engine.spec.stats.snapshot().get("avg_accept_length", 0.0) if engine.spec else 0.0
     engine.close()
     return [o.output_ids for o in outs], accept
 
