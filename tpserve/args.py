@@ -52,6 +52,7 @@ class ServerArgs:
     admin_api_key: str | None = None  # default: --api-key
     allow_unauthenticated: bool = False  # serve beyond loopback without a key
     profile_dir: str | None = None  # /admin/profile traces (default: a private per-user dir)
+    ep_size: int = 1  # expert parallelism for MoE layers: 1 or the TP size
     extra: dict[str, object] = field(default_factory=dict)
 
 
@@ -107,6 +108,8 @@ FLAG_HELP = {
                              "reach the port can generate; /admin too without an admin key)",
     "profile_dir": "directory for /admin/profile traces, created 0700 (default: "
                    "$XDG_RUNTIME_DIR/tpserve-traces, else ~/.cache/tpserve/traces)",
+    "ep_size": "MoE expert parallelism: 1 splits every expert over the TP ranks; the TP size "
+               "places whole experts on ranks (expert e on rank e // (experts / size))",
 }
 
 

@@ -116,7 +116,7 @@ def build_engine(args: ServerArgs, on_stage: StageHook = _no_hook) -> BuiltEngin
     comm = _make_comm(args, info)
     context_length = min(args.context_length or cfg.max_position, cfg.max_position)
     dtype = resolve_dtype(args.dtype, cfg.torch_dtype, info.device)
-    tp = TPContext(info.rank, info.world_size, comm)
+    tp = TPContext(info.rank, info.world_size, comm, ep_size=args.ep_size)
     max_position = context_length + ROTARY_HEADROOM
     attention = attention_backend_name(args, info.device)
     with stage(f"loading weights ({dtype})", on_stage):

@@ -1,4 +1,9 @@
-"""Rotary position embedding (NeoX half-rotation layout), with Llama-3 frequency scaling.
+"""Rotary position embedding, with Llama-3 and YaRN frequency scaling.
+
+Two layouts: NeoX half-rotation (dimension i pairs with i + D/2: Llama, Qwen, Mixtral) and
+GPT-J interleaved pairs (dimension 2i pairs with 2i + 1: DeepSeek's rope part). The
+interleaved form returns the rotated pairs de-interleaved (evens then odds), as the
+transformers reference does; q and k get the same permutation, so q.k is unchanged.
 
 cos/sin are precomputed once for every position up to the context length and indexed by
 position ids, so a step only gathers rows (no trig on the hot path, no shape dependence).
@@ -14,7 +19,49 @@ from torch import nn
 from tpserve.models.config import RopeConfig
 
 
+def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+def attention_factor(rope: RopeConfig) -> float:
+    """YaRN's multiplier on cos/sin (1 for other rope types)."""
+    if rope.rope_type != "yarn":
+        return 1.0
+    if rope.attention_factor is not None:
+        return rope.attention_factor
+    if rope.mscale and rope.mscale_all_dim:
+        return yarn_mscale(rope.factor, rope.mscale) / yarn_mscale(rope.factor, rope.mscale_all_dim)
+    return yarn_mscale(rope.factor)
+
+
+def softmax_mscale(rope: RopeConfig) -> float:
+    """DeepSeek's extra softmax scale under YaRN: mscale(factor, mscale_all_dim) squared."""
+    if rope.rope_type != "yarn" or not rope.mscale_all_dim:
+        return 1.0
+    return yarn_mscale(rope.factor, rope.mscale_all_dim) ** 2
+
+
+def _yarn_inverse_frequencies(rope: RopeConfig, dim: int) -> torch.Tensor:
+    pos_freqs = rope.theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim)
+
+    def correction_dim(rotations: float) -> float:
+        return dim * math.log(rope.original_max_position / (rotations * 2 * math.pi)) / (
+            2 * math.log(rope.theta))
+
+    low, high = correction_dim(rope.beta_fast), correction_dim(rope.beta_slow)
+    if rope.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # the ramp needs a non-empty range
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    extrapolate = 1 - ramp  # high-frequency dimensions keep their original frequency
+    return (1.0 / (rope.factor * pos_freqs)) * (1 - extrapolate) + (1.0 / pos_freqs) * extrapolate
+
+
 def inverse_frequencies(rope: RopeConfig, head_dim: int) -> torch.Tensor:
+    if rope.rope_type == "yarn":
+        return _yarn_inverse_frequencies(rope, head_dim)
     inv = 1.0 / (rope.theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
     if rope.rope_type == "linear":
         return inv / rope.factor
@@ -34,13 +81,15 @@ def inverse_frequencies(rope: RopeConfig, head_dim: int) -> torch.Tensor:
 
 class RotaryEmbedding(nn.Module):
     def __init__(self, rope: RopeConfig, head_dim: int, max_position: int,
-                 device: torch.device) -> None:
+                 device: torch.device, interleaved: bool = False) -> None:
         super().__init__()
+        self.interleaved = interleaved
         inv = inverse_frequencies(rope, head_dim)
         freqs = torch.outer(torch.arange(max_position, dtype=torch.float32), inv)
         emb = torch.cat((freqs, freqs), dim=-1)
-        self.register_buffer("cos", emb.cos().to(device), persistent=False)
-        self.register_buffer("sin", emb.sin().to(device), persistent=False)
+        scale = attention_factor(rope)
+        self.register_buffer("cos", (emb.cos() * scale).to(device), persistent=False)
+        self.register_buffer("sin", (emb.sin() * scale).to(device), persistent=False)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -49,8 +98,12 @@ class RotaryEmbedding(nn.Module):
 
     def at(self, positions: torch.Tensor, dtype: torch.dtype) -> RotaryAt:
         """cos/sin for ``positions`` gathered and cast once, reusable by every layer."""
-        return RotaryAt(self.cos[positions].unsqueeze(1).to(dtype),
-                        self.sin[positions].unsqueeze(1).to(dtype))
+        cos = self.cos[positions].unsqueeze(1).to(dtype)
+        sin = self.sin[positions].unsqueeze(1).to(dtype)
+        if self.interleaved:  # one angle per pair: the first half of the doubled table
+            half = cos.shape[-1] // 2
+            return RotaryAt(cos[..., :half], sin[..., :half], interleaved=True)
+        return RotaryAt(cos, sin)
 
 
 class RotaryAt:
@@ -60,14 +113,21 @@ class RotaryAt:
     of pure dispatch overhead at batch 1.
     """
 
-    def __init__(self, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    def __init__(self, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool = False) -> None:
         self.cos, self.sin = cos, sin
+        self.rotate = _rotate_interleaved if interleaved else _rotate
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return _rotate(q, self.cos, self.sin), _rotate(k, self.cos, self.sin)
+        return self.rotate(q, self.cos, self.sin), self.rotate(k, self.cos, self.sin)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos + rotated * sin
+
+
+def _rotate_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """cos/sin: [..., D/2]; pairs (x[2i], x[2i+1]) -> out[i], out[i + D/2]."""
+    even, odd = x[..., 0::2], x[..., 1::2]
+    return torch.cat((even * cos - odd * sin, odd * cos + even * sin), dim=-1)

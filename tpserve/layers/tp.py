@@ -31,6 +31,9 @@ class TPContext:
     rank: int
     size: int
     comm: Reducer
+    # Expert parallelism (--ep-size): 1 splits every expert across the TP ranks like an MLP;
+    # equal to ``size``, each rank holds whole experts (MoE layers only).
+    ep_size: int = 1
 
     @staticmethod
     def single() -> TPContext:

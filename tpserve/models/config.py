@@ -2,18 +2,30 @@
 
 One frozen dataclass covers the Llama family (Llama 2/3/3.x, Mistral, Qwen2, Qwen3); the
 differences between them are flags (qkv bias, q/k norm, sliding window, rope scaling).
+DeepSeek-V3 / Kimi-K2, Qwen3-MoE and Mixtral add optional sub-configs (latent attention,
+experts, FP8 blocks: ``config_families``).
 Both the transformers 4.x layout (``rope_theta``/``rope_scaling``) and the 5.x layout
 (``rope_parameters``) are understood.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from tpserve.errors import ConfigError
+from tpserve.models.config_families import (
+    MOE_PARSERS,
+    FamilyConfigError,
+    MLAConfig,
+    MoEConfig,
+    QuantConfig,
+    parse_mla,
+    parse_quant,
+)
 
 # The registries of what tpserve reads: add an architecture or a quantization method here and
 # the start-up checks (tpserve.preflight) and their messages follow.
@@ -22,10 +34,18 @@ SUPPORTED_ARCHITECTURES: tuple[str, ...] = (
     "MistralForCausalLM",
     "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",
+    "DeepseekV3ForCausalLM",  # also Kimi-K2 (model_type kimi_k2)
+    "Qwen3MoeForCausalLM",
+    "MixtralForCausalLM",
 )
 # ``quantization_config.quant_method`` values whose weights the loader reads (unquantized
 # checkpoints carry no quantization_config at all).
-SUPPORTED_QUANT_METHODS: tuple[str, ...] = ()
+SUPPORTED_QUANT_METHODS: tuple[str, ...] = ("fp8",)  # block-scaled e4m3 (config_families)
+
+# model_type -> architecture, for configs without an "architectures" list.
+MODEL_TYPES = {"llama": "LlamaForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM",
+               "kimi_k2": "DeepseekV3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
+               "mixtral": "MixtralForCausalLM"}
 
 
 class ModelConfigError(ConfigError):
@@ -38,11 +58,18 @@ class ModelConfigError(ConfigError):
 @dataclass(frozen=True)
 class RopeConfig:
     theta: float = 10000.0
-    rope_type: str = "default"  # "default" | "llama3" | "linear"
+    rope_type: str = "default"  # "default" | "llama3" | "linear" | "yarn"
     factor: float = 1.0
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position: int = 8192
+    # yarn only (defaults as in the YaRN paper and transformers)
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float | None = None
+    mscale_all_dim: float | None = None  # DeepSeek: also scales the softmax by mscale**2
+    attention_factor: float | None = None
+    truncate: bool = True
 
 
 @dataclass(frozen=True)
@@ -67,6 +94,9 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = ()
     bos_token_id: int | None = None
     torch_dtype: str = "float32"
+    mla: MLAConfig | None = None  # multi-head latent attention (DeepSeek-V3, Kimi-K2)
+    moe: MoEConfig | None = None  # routed experts in some layers
+    quant: QuantConfig | None = None  # FP8 block-scaled weights
     raw: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
 
@@ -76,8 +106,10 @@ def _rope_from(cfg: dict[str, Any]) -> RopeConfig:
     params = {**scaling, **params}
     theta = params.get("rope_theta", cfg.get("rope_theta", 10000.0))
     rope_type = params.get("rope_type", params.get("type", "default"))
-    if rope_type not in ("default", "llama3", "linear"):
+    if rope_type not in ("default", "llama3", "linear", "yarn"):
         raise ModelConfigError(f"unsupported rope type '{rope_type}'")
+    if rope_type == "yarn":
+        return _yarn_from(params, float(theta), cfg)
     return RopeConfig(
         theta=float(theta),
         rope_type=rope_type,
@@ -86,6 +118,39 @@ def _rope_from(cfg: dict[str, Any]) -> RopeConfig:
         high_freq_factor=float(params.get("high_freq_factor", 4.0)),
         original_max_position=int(params.get("original_max_position_embeddings", 8192)),
     )
+
+
+def _yarn_from(params: dict[str, Any], theta: float, cfg: dict[str, Any]) -> RopeConfig:
+    original = int(params.get("original_max_position_embeddings")
+                   or cfg.get("max_position_embeddings", 4096))
+    factor = params.get("factor") or cfg.get("max_position_embeddings", original) / original
+
+    def opt(key: str) -> float | None:
+        return float(params[key]) if params.get(key) is not None else None
+
+    return RopeConfig(theta=theta, rope_type="yarn", factor=float(factor),
+                      original_max_position=original,
+                      beta_fast=float(params.get("beta_fast") or 32.0),
+                      beta_slow=float(params.get("beta_slow") or 1.0), mscale=opt("mscale"),
+                      mscale_all_dim=opt("mscale_all_dim"),
+                      attention_factor=opt("attention_factor"),
+                      truncate=bool(params.get("truncate", True)))
+
+
+def _family_parts(cfg: dict[str, Any], arch: str, num_layers: int) -> dict[str, Any]:
+    """MLA / MoE / FP8 fields of ModelConfig (empty for a dense unquantised model)."""
+    parts: dict[str, Any] = {}
+    try:
+        if arch == "DeepseekV3ForCausalLM":
+            mla = parse_mla(cfg)
+            heads = int(cfg["num_attention_heads"])
+            parts.update(mla=mla, head_dim=mla.qk_head_dim, num_kv_heads=heads)
+        if arch in MOE_PARSERS:
+            parts["moe"] = MOE_PARSERS[arch](cfg, num_layers)
+        parts["quant"] = parse_quant(cfg)
+    except FamilyConfigError as exc:
+        raise ModelConfigError(str(exc)) from exc
+    return parts
 
 
 def _eos_ids(value: Any) -> tuple[int, ...]:
@@ -104,7 +169,7 @@ def _sliding_window(cfg: dict[str, Any], arch: str) -> int | None:
 
 def parse_config(cfg: dict[str, Any]) -> ModelConfig:
     archs = cfg.get("architectures") or []
-    arch = archs[0] if archs else {"llama": "LlamaForCausalLM"}.get(cfg.get("model_type", ""), "")
+    arch = archs[0] if archs else MODEL_TYPES.get(cfg.get("model_type", ""), "")
     if arch not in SUPPORTED_ARCHITECTURES:
         raise ModelConfigError(
             f"architecture '{arch or cfg.get('model_type')}' is not served by tpserve "
@@ -113,7 +178,7 @@ def parse_config(cfg: dict[str, Any]) -> ModelConfig:
     try:
         heads = int(cfg["num_attention_heads"])
         hidden = int(cfg["hidden_size"])
-        return ModelConfig(
+        base = ModelConfig(
             architecture=arch,
             hidden_size=hidden,
             intermediate_size=int(cfg["intermediate_size"]),
@@ -129,13 +194,14 @@ def parse_config(cfg: dict[str, Any]) -> ModelConfig:
             qkv_bias=arch == "Qwen2ForCausalLM" or bool(cfg.get("attention_bias", False)),
             o_bias=arch != "Qwen2ForCausalLM" and bool(cfg.get("attention_bias", False)),
             mlp_bias=bool(cfg.get("mlp_bias", False)),
-            qk_norm=arch == "Qwen3ForCausalLM",
+            qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
             sliding_window=_sliding_window(cfg, arch),
             eos_token_ids=_eos_ids(cfg.get("eos_token_id")),
             bos_token_id=cfg.get("bos_token_id"),
             torch_dtype=str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32"),
             raw=cfg,
         )
+        return dataclasses.replace(base, **_family_parts(cfg, arch, base.num_layers))
     except KeyError as exc:
         raise ModelConfigError(f"config.json lacks required key {exc}") from exc
 

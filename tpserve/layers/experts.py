@@ -1,0 +1,144 @@
+"""A rank's routed experts stacked in 3-D weights, their loaders, and the expert compute.
+
+Weights: ``w13`` [E_local, 2 * I_local, H] (gate rows then up rows) and ``w2``
+[E_local, H, I_local], in the model dtype or FP8 with block scales (``w13_scale_inv``,
+``w2_scale_inv``). Checkpoints store one tensor per expert and projection; the loader's
+shard id is ``3 * expert + kind`` (0 gate, 1 up, 2 down), and experts that live on another
+rank (expert parallelism) are skipped without being read.
+
+Two compute paths, same result:
+
+- ``sorted`` (eager): (token, slot) pairs are sorted by expert id, so each expert's tokens are
+  one contiguous slice; each local expert with tokens runs one matmul over its slice, and the
+  weighted results are added back per token with one ``index_add_``. Needs the per-expert
+  counts on the host (one sync), so it cannot be captured or traced;
+- ``static`` (CUDA-graph capture, torch.compile): every local expert runs over every token and
+  is weighted by the dense routing matrix (zero where not chosen). No data-dependent shapes,
+  but it reads every local expert's weights each step.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tpserve.errors import ConfigError
+from tpserve.layers.fp8 import FP8, Block, fp8_linear
+from tpserve.layers.linear import _param, copy_into, linear
+from tpserve.layers.quant import check_aligned, require_fp8
+from tpserve.layers.tp import TPContext, divide
+from tpserve.models.config_families import MoEConfig
+
+
+def expert_placement(num_experts: int, tp: TPContext) -> tuple[int, int]:
+    """(first expert, experts) held by this rank: all of them unless expert-parallel."""
+    if tp.ep_size == 1:
+        return 0, num_experts
+    if tp.ep_size != tp.size:
+        raise ConfigError(f"--ep-size {tp.ep_size} must equal the tensor-parallel size "
+                          f"{tp.size} (or be 1)", flag="--ep-size")
+    if num_experts % tp.ep_size:
+        raise ConfigError(f"{num_experts} experts cannot be placed evenly on --ep-size "
+                          f"{tp.ep_size} ranks", flag="--ep-size")
+    per_rank = num_experts // tp.ep_size
+    return tp.rank * per_rank, per_rank
+
+
+class ExpertStack(nn.Module):
+    def __init__(self, hidden: int, cfg: MoEConfig, tp: TPContext, dtype: torch.dtype,
+                 device: torch.device, block: Block | None = None) -> None:
+        super().__init__()
+        self.num_experts = cfg.num_experts
+        self.first, self.local_experts = expert_placement(cfg.num_experts, tp)
+        split = tp.ep_size == 1 and tp.size > 1
+        self.inter_local = divide(cfg.intermediate_size, tp.size if split else 1,
+                                  "moe_intermediate_size")
+        self.split_start = tp.rank * self.inter_local if split else 0
+        self.block = block
+        e, i = self.local_experts, self.inter_local
+        wdtype = FP8 if block else dtype
+        self.w13 = _param((e, 2 * i, hidden), wdtype, device)
+        self.w2 = _param((e, hidden, i), wdtype, device)
+        self.w13_scale_inv = self.w2_scale_inv = None
+        if block is not None:
+            check_aligned(self.split_start, i, -1, block[0], "experts (gate/up rows)")
+            check_aligned(self.split_start, i, cfg.intermediate_size, block[1],
+                          "experts (down columns)")
+            self.w13_scale_inv = _param((e, 2 * i // block[0], math.ceil(hidden / block[1])),
+                                        torch.float32, device)
+            self.w2_scale_inv = _param((e, math.ceil(hidden / block[0]),
+                                        math.ceil(i / block[1])), torch.float32, device)
+        for p in (self.w13, self.w2, self.w13_scale_inv, self.w2_scale_inv):
+            if p is not None:
+                p.weight_loader = self.load_expert
+
+    def load_expert(self, param: nn.Parameter, source: Any, shard_id: int | None = None) -> None:
+        expert, kind = divmod(int(shard_id or 0), 3)
+        local = expert - self.first
+        if not 0 <= local < self.local_experts:
+            return  # another rank's expert
+        is_scale = param is self.w13_scale_inv or param is self.w2_scale_inv
+        if not is_scale and self.block is not None:
+            require_fp8(source, f"expert {expert}")
+        step = 1 if not is_scale else self.block[0] if kind < 2 else self.block[1]
+        start, size = self.split_start // step, math.ceil(self.inter_local / step)
+        what = f"expert {expert} {'gate up down'.split()[kind]}"
+        if kind < 2:
+            copy_into(param.data[local, kind * size: (kind + 1) * size],
+                      source[start: start + size], what)
+        else:
+            copy_into(param.data[local], source[:, start: start + size], what)
+
+    def _matmul(self, x: torch.Tensor, which: str, e: int) -> torch.Tensor:
+        w = getattr(self, which)[e]
+        if self.block is None:
+            return linear(x, w)
+        return fp8_linear(x, w, getattr(self, which + "_scale_inv")[e], self.block)
+
+    def expert_mlp(self, e: int, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self._matmul(x, "w13", e).split(self.inter_local, dim=-1)
+        return self._matmul(F.silu(gate) * up, "w2", e)
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """x [N, H], weights/ids [N, top_k] -> this rank's partial output [N, H]."""
+        tracing = torch.compiler.is_compiling() or (
+            x.is_cuda and torch.cuda.is_current_stream_capturing())
+        return self.forward_static(x, weights, ids) if tracing else \
+            self.forward_sorted(x, weights, ids)
+
+    def forward_sorted(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
+                       ) -> torch.Tensor:
+        top_k = ids.shape[1]
+        flat = ids.reshape(-1)
+        order = torch.argsort(flat, stable=True)
+        counts = torch.bincount(flat, minlength=self.num_experts).tolist()
+        lo = sum(counts[: self.first])
+        local_counts = counts[self.first: self.first + self.local_experts]
+        out = torch.zeros_like(x)
+        if sum(local_counts) == 0:
+            return out
+        pairs = order[lo: lo + sum(local_counts)]
+        tokens = pairs // top_k
+        xs = x.index_select(0, tokens)
+        ys = torch.empty_like(xs)
+        offset = 0
+        for e, count in enumerate(local_counts):
+            if count:
+                ys[offset: offset + count] = self.expert_mlp(e, xs[offset: offset + count])
+                offset += count
+        ys = ys * weights.reshape(-1)[pairs].unsqueeze(1).to(ys.dtype)
+        return out.index_add_(0, tokens, ys)
+
+    def forward_static(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
+                       ) -> torch.Tensor:
+        dense = torch.zeros(x.shape[0], self.num_experts, dtype=weights.dtype,
+                            device=x.device).scatter_(1, ids, weights)
+        local = dense[:, self.first: self.first + self.local_experts].to(x.dtype)
+        out = torch.zeros_like(x)
+        for e in range(self.local_experts):
+            out = out + self.expert_mlp(e, x) * local[:, e: e + 1]
+        return out
