@@ -174,7 +174,7 @@ def test_cached_pages_keep_the_feature_a_hit_drafts_from(spec_pair: tuple[Path, 
     n = len(prompt)
     table = np.arange(1, 1 + -(-n // PS), dtype=np.int32)[None]
     out = drafter.runner.forward(
-        Layout(np.array([prompt]), np.array([n], np.int32), np.array([0], np.int32), table),
+        Layout(np.array(prompt), np.array([n], np.int32), np.array([0], np.int32), table),
         [n - 1], drafter.aux_sorted)
     feats = drafter._features(out.aux)
     for i, page in enumerate(pages):

@@ -36,6 +36,7 @@ def test_preemption_recomputes_identically(ckpt: Path) -> None:
     out = run_all(engine, requests(24, temperature=1.0))
     assert engine.scheduler.preemptions > 0
     assert out == ref
+    engine.scheduler.flush_cache()  # cached prefixes are reusable, not leaked
     assert engine.scheduler.allocator.num_free == engine.scheduler.allocator.num_usable
 
 
@@ -51,6 +52,7 @@ def test_abort_frees_pages(ckpt: Path) -> None:
     assert reqs[1].finish_reason["type"] == "abort"
     while engine.scheduler.has_work():
         engine.step(engine.scheduler.next_batch())
+    engine.scheduler.flush_cache()  # cached prefixes are reusable, not leaked
     assert engine.scheduler.allocator.num_free == engine.scheduler.allocator.num_usable
     assert len(reqs[0].output_ids) == 50 and len(reqs[1].output_ids) < 50
 
@@ -78,3 +80,29 @@ def test_stop_conditions(ckpt: Path) -> None:
                                                         stop_token_ids=(eos_at,), min_new_tokens=first + 1))
     run_all(build_engine(ckpt), [req2])
     assert len(req2.output_ids) > first + 1
+
+
+def test_mixed_steps_carry_decode_tokens_and_prompt_chunks(ckpt: Path) -> None:
+    """A long prompt admitted while others decode rides along in pieces; outputs unchanged."""
+    long_prompt = [(7 * i) % 90 + 3 for i in range(40)]
+    params = SamplingParams(max_new_tokens=16, temperature=0.0, ignore_eos=True)
+
+    def reqs() -> list:
+        return [make_request(f"r{i}", p, params) for i, p in enumerate(PROMPTS + [long_prompt])]
+
+    ref = run_all(build_engine(ckpt, chunk=8, disable_mixed_chunk=True), reqs())
+    engine = build_engine(ckpt, chunk=8)
+    sched, batches = engine.scheduler, []
+    original = sched.next_batch
+
+    def record(**kw):  # type: ignore[no-untyped-def]
+        batch = original(**kw)
+        if batch is not None:
+            batches.append((batch.kind, list(batch.q_lens)))
+        return batch
+
+    sched.next_batch = record  # type: ignore[method-assign]
+    assert run_all(engine, reqs()) == ref
+    mixed = [lens for kind, lens in batches if kind == "mixed"]
+    assert mixed and all(sum(lens) <= 8 for _, lens in batches)
+    assert any(1 in lens and max(lens) > 1 for lens in mixed)

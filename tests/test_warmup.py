@@ -35,7 +35,8 @@ def test_warm_up_runs_and_forgets_its_traffic(tmp_path: Path) -> None:
     stats = CommStats(phase="decode")
     for _ in range(50):
         stats.record(1024, 1e-5)
-    comm = CommSwitch({"fake": SimpleNamespace(stats=stats)}, "fake")  # type: ignore[dict-item]
+    comm = CommSwitch({"fake": SimpleNamespace(stats=stats, check=lambda: None)},  # type: ignore[dict-item]
+                      "fake")
     engine.runner.comm = engine.profiler.comm = comm
     engine.profiler.enabled = True
     ids = itertools.count()
@@ -54,6 +55,6 @@ def test_warm_up_runs_and_forgets_its_traffic(tmp_path: Path) -> None:
 def test_a_stalled_schedule_raises_instead_of_spinning(tmp_path: Path) -> None:
     engine = build_engine(make_checkpoint(tmp_path / "m"), pages=4,
                           page_size=4, max_running=4, chunk=64, context_length=200)
-    engine.scheduler.next_batch = lambda: None  # type: ignore[method-assign]
+    engine.scheduler.next_batch = lambda **_: None  # type: ignore[method-assign]
     with pytest.raises(RuntimeError, match="stalled"):
         run_to_completion(engine, [make_request("r", [5, 6, 7], SamplingParams(max_new_tokens=2))])

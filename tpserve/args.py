@@ -41,6 +41,7 @@ class ServerArgs:
     speculative_num_draft_tokens: int = 4
     disable_cuda_graph: bool = False
     disable_radix_cache: bool = False  # prefix caching is on by default
+    disable_mixed_chunk: bool = False  # decode tokens and prompt chunks share steps by default
     cuda_graph_max_bs: int | None = None  # None: --max-running-requests (every batch fits)
     cuda_graph_bs: tuple[int, ...] | None = None  # explicit buckets (default: SGLang-like)
     compile: bool = False  # CPU: torch.compile'd decode phases
@@ -61,7 +62,7 @@ FLAG_HELP = {
              "Hugging Face cache (default: the built-in demo model)",
     "tokenizer": "tokenizer directory or cached repo id (default: the model directory)",
     "host": "bind address", "port": "HTTP port",
-    "allreduce": "allreduce backend(s): auto, gloo, shm, nccl, cuda_p2p, symm_mem; "
+    "allreduce": "allreduce backend(s): auto, gloo, shm, nccl, cuda_p2p, symm_mem, hier; "
                  "a comma list initialises several, the first active",
     "device": "auto | cpu | cuda", "dtype": "auto | bfloat16 | float16 | float32",
     "context_length": "max prompt + output tokens (default: the model's)",
@@ -89,6 +90,8 @@ FLAG_HELP = {
     "speculative_num_draft_tokens": "tree nodes verified per step, root included",
     "disable_cuda_graph": "GPU: run decode, draft and verify eagerly (no CUDA graphs)",
     "disable_radix_cache": "turn off prefix caching (reuse of KV pages of shared prompt prefixes)",
+    "disable_mixed_chunk": "alternate prefill and decode steps instead of mixing running "
+                           "requests' decode tokens with prompt chunks in one step",
     "cuda_graph_max_bs": "largest batch captured as a CUDA graph (GPU) or compiled (--compile) "
                          "(default: --max-running-requests, so no decode batch runs eagerly)",
     "cuda_graph_bs": "explicit batch-size buckets, e.g. 1 2 4 8 (default: 1,2,4,8,12,16,24,...)",

@@ -26,6 +26,7 @@ from tpserve.model_path import resolve_args
 from tpserve.models.config import ModelConfig
 from tpserve.preflight import check_server_args
 from tpserve.server.lifecycle import finish_leader, run_follower
+from tpserve.server.security import check_bind_security
 from tpserve.server.startup_http import StartupResponder, bind_listener
 
 log = logging.getLogger("tpserve")
@@ -74,6 +75,7 @@ def run(args: ServerArgs) -> int:
     args = resolve_args(args)  # [ckpt] --model / --tokenizer may be a HF cache dir or repo id
     # [ckpt] every rank refuses a checkpoint it cannot serve before the process group forms
     check_server_args(args, rank_info(args.device).world_size)
+    check_bind_security(args)  # beyond loopback without a key: refused on every rank
     responder = start_responder(args)
     on_stage = responder.set_stage if responder is not None else (lambda _: None)
     built = build_engine(args, on_stage)

@@ -113,9 +113,9 @@ def build_engine(args: ServerArgs, on_stage: StageHook = _no_hook) -> BuiltEngin
                              generation_config=args.generation_config)
     on_stage("joining the process group")
     init_process_group(info, args.dist_timeout_s)
-    comm = _make_comm(args, info)
-    context_length = min(args.context_length or cfg.max_position, cfg.max_position)
     dtype = resolve_dtype(args.dtype, cfg.torch_dtype, info.device)
+    comm = _make_comm(args, info, dtype)
+    context_length = min(args.context_length or cfg.max_position, cfg.max_position)
     tp = TPContext(info.rank, info.world_size, comm, ep_size=args.ep_size)
     max_position = context_length + ROTARY_HEADROOM
     attention = attention_backend_name(args, info.device)
@@ -139,14 +139,17 @@ def build_engine(args: ServerArgs, on_stage: StageHook = _no_hook) -> BuiltEngin
     if info.rank == 0:
         engine = Engine(runner, _scheduler(args, kv, context_length, spec_cfg), channel,
                         context_length, spec)
+        engine.mixed = not args.disable_mixed_chunk
     return BuiltEngine(args, info, cfg, model_dir, comm, runner, spec, context_length, dtype,
                        channel, engine)
 
 
-def _make_comm(args: ServerArgs, info: RankInfo) -> CommSwitch:
+def _make_comm(args: ServerArgs, info: RankInfo, dtype: torch.dtype) -> CommSwitch:
     try:
-        comm = create_comm(args.allreduce, info)
+        comm = create_comm(args.allreduce, info, dtype)
     except (BackendUnavailable, ValueError) as exc:
+        if isinstance(exc, ConfigError):
+            raise
         raise ConfigError(str(exc), "--allreduce") from None
     if info.device.type == "cuda" and info.world_size > 1:
         # Communicators allocate their buffers at first use: make that happen before the KV

@@ -74,6 +74,7 @@ class Engine:
         self.error: BaseException | None = None
         self.profiler = StepProfiler(runner.comm)
         self.trace: TraceCapture | None = None  # a torch.profiler capture in progress
+        self.mixed = True  # decode tokens and prompt chunks share a step
 
     def submit(self, cmd: Command) -> None:
         self.inbox.put(cmd)
@@ -83,7 +84,7 @@ class Engine:
             while not self.stopping.is_set():
                 self._drain(block=not self.scheduler.has_work())
                 start = time.perf_counter()
-                batch = self.scheduler.next_batch()
+                batch = self.next_batch()
                 if batch is not None:
                     with self.profiler.step(start):
                         self.profiler.record("schedule", time.perf_counter() - start)
@@ -135,8 +136,15 @@ class Engine:
 
     # ---- steps ----
 
+    def next_batch(self) -> ScheduledBatch | None:
+        """Mixed batches unless speculation is on (its verify is a tree forward of its own)."""
+        speculating = self.spec is not None and self.spec.enabled
+        return self.scheduler.next_batch(mixed=self.mixed and not speculating)
+
     def step(self, batch: ScheduledBatch) -> None:
         start = time.perf_counter()
+        if self.runner.comm is not None:
+            self.runner.comm.check()  # a collective that failed asynchronously (cuda_p2p)
         if self.spec is not None and self.spec.enabled and batch.kind == "decode":
             appended = self._spec_step(batch)
         else:
@@ -256,10 +264,8 @@ class Engine:
     def _account(self, batch: ScheduledBatch, appended: int, seconds: float) -> None:
         self.stats.steps += 1
         self.stats.step_seconds += seconds
-        if batch.kind == "prefill":
-            self.stats.prefill_tokens += sum(batch.q_lens)
-        else:
-            self.stats.decode_tokens += appended
+        self.stats.prefill_tokens += sum(q for q in batch.q_lens if q > 1)
+        self.stats.decode_tokens += appended
 
     # ---- settings, statistics, traces ----
 

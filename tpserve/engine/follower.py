@@ -63,6 +63,8 @@ def follow(runner: ModelRunner, channel: Channel, spec: SpecDecoder | None = Non
         msg = receive(channel)
         if isinstance(msg, Shutdown):
             return
+        if runner.comm is not None:
+            runner.comm.check()
         if isinstance(msg, ForwardStep):
             run_forward(runner, spec, msg)
         elif isinstance(msg, SpecStep):

@@ -1,9 +1,12 @@
 """Rank 0's scheduler: FCFS admission, chunked prefill, continuous batching, preemption,
 prefix caching.
 
-Each call to ``next_batch`` returns either a prefill batch (prompt chunks within the token
-budget) or a decode batch (one token per running request), alternating when both kinds are
-ready so a burst of new prompts cannot starve requests already decoding. When pages run out
+Each call to ``next_batch`` returns a batch for one step. Mixed (the default): every running
+request's decode token plus prompt chunks filling the rest of the token budget
+(``--chunked-prefill-size``), so streams keep flowing while a long prompt is admitted piece by
+piece. Unmixed (speculative steps, whose verify is a tree forward of its own): a prefill batch
+or a decode batch, alternating when both kinds are ready so new prompts cannot starve
+requests already decoding. When pages run out
 during decode the most recently admitted request is preempted: its pages are freed and it
 re-enters the queue to be recomputed (prompt + output so far) later.
 
@@ -38,7 +41,7 @@ class SchedulerConfig:
 
 @dataclass
 class ScheduledBatch:
-    kind: str  # "prefill" | "decode"
+    kind: str  # "prefill" | "decode" | "mixed"
     requests: list[Request]
     q_lens: list[int]
 
@@ -132,7 +135,9 @@ class Scheduler:
         req.pages.extend(pages)
         return True
 
-    def next_batch(self) -> ScheduledBatch | None:
+    def next_batch(self, mixed: bool = False) -> ScheduledBatch | None:
+        if mixed:
+            return self._mixed_batch()
         decode = [r for r in self.running if r.pending == 1]
         if decode and (self._prefer_decode or not self._prefill_possible()):
             self._prefer_decode = False
@@ -147,8 +152,32 @@ class Scheduler:
         return any(r.pending > 1 for r in self.running) or (
             bool(self.waiting) and len(self.running) < self.cfg.max_running_requests)
 
-    def _prefill_batch(self) -> ScheduledBatch | None:
-        budget = self.cfg.chunked_prefill_size
+    def _mixed_batch(self) -> ScheduledBatch | None:
+        """Decode tokens first (they may preempt), then prompt chunks within what is left of
+        the token budget; one forward reads the weights once for both.
+
+        When nothing fits although requests are running, each of them is stuck mid-prompt
+        holding pages: the latest admitted makes room (preempted, recomputed later).
+        """
+        for _ in range(len(self.running) + 1):
+            batch = self._mixed_once()
+            if batch is not None or not self.running:
+                return batch
+            self._preempt_latest()
+        return None
+
+    def _mixed_once(self) -> ScheduledBatch | None:
+        decode = self._decode_batch()
+        taken = len(decode.requests) if decode is not None else 0
+        budget = self.cfg.chunked_prefill_size - taken
+        prefill = self._prefill_batch(budget) if budget > 0 else None
+        if prefill is None or decode is None:
+            return prefill or decode
+        return ScheduledBatch("mixed", decode.requests + prefill.requests,
+                              decode.q_lens + prefill.q_lens)
+
+    def _prefill_batch(self, budget: int | None = None) -> ScheduledBatch | None:
+        budget = self.cfg.chunked_prefill_size if budget is None else budget
         reqs, lens = [], []
         for req in [r for r in self.running if r.pending > 1]:
             q = min(req.pending, budget)
@@ -165,6 +194,9 @@ class Scheduler:
             self._reuse_prefix(req)
             q = min(req.pending, budget)
             if not self.reserve(req, req.num_cached + q):
+                # Waiting requests hold no pages: a locked prefix here could starve everyone.
+                self._release_pages(req)
+                req.num_cached = 0
                 break
             self.waiting.popleft()
             self.running.append(req)

@@ -61,7 +61,7 @@ def run_to_completion(engine: Any, requests: list[Request]) -> None:
     for req in requests:
         engine.scheduler.add(req)
     while engine.scheduler.has_work():
-        batch = engine.scheduler.next_batch()
+        batch = engine.next_batch()
         if batch is None:
             raise RuntimeError("scheduler stalled with work left (KV cache too small?)")
         engine.step(batch)

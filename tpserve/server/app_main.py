@@ -23,6 +23,7 @@ from tpserve.chat_template_files import load_chat_template
 from tpserve.demo import served_name
 from tpserve.engine.engine import Engine
 from tpserve.generation_config import load_generation_config, log_defaults
+from tpserve.layers.quant import resident_weight_bytes
 from tpserve.server.admin_api import ADMIN_BODIES, register_admin
 from tpserve.server.engine_client import ClientLimits, EngineClient
 from tpserve.server.guard import Guard, GuardConfig, needs_key
@@ -75,6 +76,11 @@ def make_state(args: ServerArgs, setup: Any, engine: Engine, tokenizer: Tokenize
         "dtype": str(setup.dtype).replace("torch.", ""), "context_length": setup.context_length,
         "allreduce_backends": list(setup.comm.backends),
         "kv_page_size": args.page_size,
+        # Per rank: the KV pool (an MLA latent is the same on every rank) and the weights.
+        "kv_cache_bytes_per_token": setup.runner.kv.cfg.bytes_per_token,
+        "max_total_num_tokens": setup.runner.kv.cfg.max_tokens,
+        "resident_weight_bytes": resident_weight_bytes(setup.runner.model),
+        "attention_backend": getattr(setup.runner.model.attention, "name", None),
         "rank_pids": list(getattr(engine.channel, "peer_pids", None) or [os.getpid()]),
     }
     state.model_info_extra = {"architecture": setup.cfg.architecture,

@@ -89,6 +89,10 @@ class Watchdog(threading.Thread):
         for rank, proc in enumerate(self.peers[1:], start=1):
             if not proc_alive(proc):
                 return f"rank {rank} (pid {proc.pid}) exited"
+        channel = getattr(self.engine, "channel", None)
+        gone = channel.dead_peer() if hasattr(channel, "dead_peer") else None
+        if gone is not None:  # a rank on another node: its pid means nothing here
+            return gone
         if self.engine.error is not None:
             return f"engine failed: {self.engine.error}"
         if not self.engine_thread.is_alive() and not self.engine.stopping.is_set():
