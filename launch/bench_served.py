@@ -7,9 +7,10 @@ Builds (or reuses) issue 15's benchmark model (``launch.bench_model``: a random 
 every tpserve server the way a user would (TP=1 ``python -m tpserve --model DIR``, TP=2
 ``torchrun --nproc-per-node 2 -m tpserve --model DIR --allreduce shm``), measures the figures
 with streaming ``/generate`` clients, stops it, then runs llama.cpp's native ``llama-bench``
-and ``llama-batched-bench`` on the GGUF (when built: ``launch/build_llamacpp.sh``) with one
-thread per usable CPU. Which engine goes first alternates round by round; the report gives
-medians over rounds and the median of per-round ratios, against issue 15's targets.
+and ``llama-batched-bench`` on the GGUF (when built: ``launch/build_llamacpp.sh``) at 1 thread
+and at one per usable CPU, each figure counting llama.cpp's better one (``launch.served_llama``).
+Which engine goes first alternates round by round; the report gives medians over rounds and
+the median of per-round ratios, against issue 15's targets.
 
 Writes ``DIR/results.json`` (every round's values, the rows, the machine), ``DIR/results.md``
 (the table) and ``DIR/results.png`` (ratios against targets); server logs go to DIR too.
@@ -31,6 +32,7 @@ from pathlib import Path
 import httpx
 
 from launch import served_client as sc
+from launch import served_llama
 from launch.bench_model import BenchModel, build, weight_bytes_per_token
 from launch.llamacpp_tools import LlamaCpp, find_bin_dir
 from launch.machine import describe, machine_info
@@ -53,6 +55,7 @@ class Plan:
     cfg: sc.FigureConfig
     server_args: tuple[str, ...]
     llama: LlamaCpp | None
+    llama_threads: tuple[int, ...]
     out: Path
     seed: int
 
@@ -88,26 +91,13 @@ def tpserve_round(plan: Plan, index: int, notes: list[str]) -> dict[str, float]:
 
 
 def llama_round(plan: Plan, notes: list[str]) -> dict[str, float]:
-    llama, cfg, figs = plan.llama, plan.cfg, plan.figures
-    assert llama is not None
+    assert plan.llama is not None
     values: dict[str, float] = {}
     try:
-        depths = ([0] if "b1" in figs else []) + (list(cfg.depths) if "ctx" in figs else [])
-        if depths:
-            for t in llama.bench("-p", "0", "-n", str(cfg.tokens),
-                                 "-d", ",".join(map(str, depths))):
-                key = "b1" if t.n_depth == 0 else f"ctx{t.n_depth}"
-                values[f"{key}.decode_tok_s"] = t.avg_ts
-        if "prefill" in figs:
-            for t in llama.bench("-p", str(cfg.prefill), "-n", "0"):
-                values[f"prefill{cfg.prefill}.tok_s"] = t.avg_ts
-        parallel = [int(f[1:]) for f in figs if f.startswith("b") and f != "b1"]
-        if parallel:
-            for r in llama.batched(cfg.prompt, cfg.tokens, parallel):
-                values[f"b{r.b}.decode_tok_s"] = r.s_tg
+        values = served_llama.llama_round(plan.llama, plan.llama_threads, plan.figures, plan.cfg)
     except Exception as exc:  # report it, keep the tpserve numbers
         notes.append(f"llama.cpp: {type(exc).__name__}: {exc}"[:2000])
-    with_slope(values, cfg.depths)
+    with_slope(values, plan.cfg.depths)
     return values
 
 
@@ -167,7 +157,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--model", type=Path, help="benchmark checkpoint dir (built if missing)")
     ap.add_argument("--llamacpp-bin", type=Path, help="dir with llama-bench etc.")
     ap.add_argument("--skip-llamacpp", action="store_true")
-    ap.add_argument("--llama-threads", type=int, default=machine_info()["cpus"])
+    ap.add_argument("--llama-threads", type=ints,
+                    default=tuple(sorted({1, int(machine_info()["cpus"])})),  # type: ignore[call-overload]
+                    help="llama.cpp thread counts; each figure counts the best")
     ap.add_argument("--no-agreement", action="store_true")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, default=Path("bench_out/served"))
@@ -189,10 +181,11 @@ def make_plan(args: argparse.Namespace, notes: list[str]) -> Plan:
         if bin_dir is None:
             notes.append(f"llama.cpp skipped: {why}; no ratios to it")
         else:
-            llama = LlamaCpp(bin_dir, model.gguf, args.llama_threads)
+            llama = LlamaCpp(bin_dir, model.gguf, max(args.llama_threads))
     args.out.mkdir(parents=True, exist_ok=True)
     return Plan(model, parse_figures(args.figures), args.tp, args.long_tp, cfg,
-                tuple(shlex.split(args.server_args)), llama, args.out, args.seed)
+                tuple(shlex.split(args.server_args)), llama, args.llama_threads, args.out,
+                args.seed)
 
 
 def main(argv: list[str] | None = None) -> dict[str, object]:
@@ -206,7 +199,7 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
                                             *(sys.argv[1:] if argv is None else argv)],
             "model": {"checkpoint": str(plan.model.checkpoint), "gguf": str(plan.model.gguf),
                       "mb_per_token": weight_bytes_per_token(plan.model.checkpoint) / 1e6},
-            "llama.cpp": {"bin": str(plan.llama.bin_dir), "threads": plan.llama.threads}
+            "llama.cpp": {"bin": str(plan.llama.bin_dir), "threads": plan.llama_threads}
             if plan.llama else None, "config": vars(plan.cfg)}
     print(table(res["summaries"]))  # type: ignore[arg-type]
     print(f"\nmachine: {describe(machine)}")

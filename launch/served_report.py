@@ -82,7 +82,8 @@ def table(summaries: Sequence[Summary]) -> str:
         r = s.row
         ours = " / ".join(_fmt(v) for v in s.ours)
         unit = f" {r.unit}" if r.unit else ""
-        theirs = f"{_fmt(s.theirs)}{unit}" if s.theirs is not None else ""
+        shown = s.theirs is not None and r.theirs is not None and r.theirs[0] != "tpserve"
+        theirs = f"{_fmt(s.theirs)}{unit}" if shown else ""
         ratio = f"{s.ratio:.2f}x" if s.ratio is not None else ""
         if r.note and ratio:
             ratio += f" ({r.note})"

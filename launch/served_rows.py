@@ -79,7 +79,8 @@ def rows(figures: Sequence[str], tps: Sequence[int], long_tps: Sequence[int],
             for tp in tps:
                 out += _concurrency_rows(clients, tp, cfg)
             if clients == 1 and 1 in tps and 2 in tps:
-                out.append(Row("decode, 1 stream, TP=2 over TP=1", ("tp2/b1.decode_tok_s",),
+                out.append(Row("decode, 1 stream, TP=2 / TP=1",
+                               ("tp2/b1.decode_tok_s", "tp1/b1.decode_tok_s"),
                                "tok/s", ("tpserve", "tp1/b1.decode_tok_s"),
                                goal=GOALS["tp2/tp1"], note="TP=1"))
         else:

@@ -99,11 +99,12 @@ def longest_gap(trace: Trace, start: float, end: float) -> float:
 
 
 def paired_ratio(ours: Sequence[float | None], theirs: Sequence[float | None]) -> float:
-    """Median over rounds of ours/theirs, rounds where both were measured.
+    """Median over rounds of ours/theirs, rounds where both were measured and positive (a cost
+    fitted from noisy rates can come out negative; its ratio means nothing).
 
     Alternating engines round by round, each round's ratio compares the two under the same
     machine conditions; the median discards the rounds a neighbour disturbed.
     """
     pairs = [a / b for a, b in zip(ours, theirs)
-             if a is not None and b is not None and b > 0 and not math.isnan(a)]
+             if a is not None and b is not None and a > 0 and b > 0]
     return median(pairs)

@@ -68,6 +68,7 @@ def plot(summaries: Sequence[Summary], path: Path) -> bool:
     ax.set_xlabel("ratio (black: target; green met, red not met)")
     ax.set_xscale("log")
     marks = [s.ratio for s in shown] + [s.row.goal[1] for s in shown if s.row.goal]
+    marks = [m for m in marks if m > 0]
     ax.set_xlim(min(marks) / 1.5, max(marks) * 1.5)
     fig.tight_layout()
     fig.savefig(path, dpi=120)

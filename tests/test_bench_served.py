@@ -17,8 +17,15 @@ import numpy as np
 import pytest
 
 from launch import served_client as sc
-from launch.llamacpp_output import parse_batched_bench, parse_llama_bench, parse_simple_tokens
+from launch.llamacpp_output import (
+    BatchedRow,
+    BenchTest,
+    parse_batched_bench,
+    parse_llama_bench,
+    parse_simple_tokens,
+)
 from launch.machine import parse_cpuinfo
+from launch.served_llama import best_of_threads, llama_figures
 from launch.served_report import Row, summarise, table, with_slope
 from launch.served_rows import parse_figures, rows
 from launch.served_stats import (
@@ -168,6 +175,41 @@ def test_paired_ratio_is_median_of_rounds() -> None:
     assert paired_ratio([10, 20, 30], [10, 10, 10]) == 2.0
     assert paired_ratio([10, None, 30], [5, 10, None]) == 2.0
     assert math.isnan(paired_ratio([None], [1.0]))
+    assert paired_ratio([-3.0, 4.0], [2.0, 2.0]) == 2.0  # a negative fitted cost is noise
+
+
+def test_best_of_threads() -> None:
+    got = best_of_threads({1: {"b1.decode_tok_s": 68.0, "b16.decode_tok_s": 100.0},
+                           2: {"b1.decode_tok_s": 4.2, "b16.decode_tok_s": 300.0}})
+    assert got["b1.decode_tok_s"] == 68.0 and got["b1.decode_tok_s.threads"] == 1
+    assert got["b16.decode_tok_s"] == 300.0 and got["b16.decode_tok_s.threads"] == 2
+    assert got["b1.decode_tok_s@t2"] == 4.2
+
+
+class FakeLlama:
+    """Answers like llama-bench / llama-batched-bench would for the flags it is given."""
+
+    threads = 2
+
+    def bench(self, *flags: str) -> list[BenchTest]:
+        f = dict(zip(flags[::2], flags[1::2]))
+        depths = [int(d) for d in f.get("-d", "0").split(",")]
+        return [BenchTest(int(f["-p"]), int(f["-n"]), d, 100.0 / (1 + d / 1024)) for d in depths]
+
+    def batched(self, prompt: int, gen: int, parallel: list[int]) -> list[BatchedRow]:
+        return [BatchedRow(prompt, gen, b, 500.0, 40.0 * b, 400.0) for b in parallel]
+
+
+def test_llama_figures_produce_every_key_the_rows_compare() -> None:
+    cfg = sc.FigureConfig()
+    figures = ("b1", "b16", "b64", "ctx", "prefill", "prefix", "gap")
+    got = llama_figures(FakeLlama(), figures, cfg)  # type: ignore[arg-type]
+    with_slope(got, cfg.depths)
+    needed = {r.theirs[1] for r in rows(figures, (1, 2), (1,), cfg)
+              if r.theirs is not None and r.theirs[0] == "llama.cpp"}
+    assert needed <= set(got), needed - set(got)
+    assert got["b16.decode_tok_s"] == 640.0 and got["ctx1024.decode_tok_s"] == 50.0
+    assert got["ctx.ms_per_1k"] == pytest.approx(10.0)  # 1/rate grows 10 ms per 1K exactly
 
 
 def test_slope_matches_polyfit() -> None:
@@ -191,9 +233,12 @@ def test_summary_ratios_targets_and_blanks() -> None:
     assert inner.ratio == pytest.approx(0.5) and inner.met is False
     alone = summarise(Row("rate", ("x",), "tok/s", ("llama.cpp", "x")), {"tpserve": rounds["tpserve"]})
     assert alone.theirs is None and alone.ratio is None
-    text = table([rate, alone])
+    own = summarise(Row("tp", ("x", "cost"), "", ("tpserve", "cost")), rounds)
+    assert own.ratio == pytest.approx(4.0)  # median of 50/10 and 60/20
+    text = table([rate, alone, own])
     assert "| rate | 55.0 tok/s | 100.0 tok/s | 0.55x | >= 0.8x: not met |" in text
     assert "| rate | 55.0 tok/s |  |  |  |" in text
+    assert "| tp | 55.0 / 15.0 |  | 4.00x |  |" in text  # a tpserve baseline is not llama.cpp's
 
 
 def test_parse_figures() -> None:
