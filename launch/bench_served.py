@@ -40,7 +40,7 @@ from launch.served_agreement import check
 from launch.served_report import Rounds, summarise, table, with_slope
 from launch.served_rows import FIGURES, parse_figures, rows
 from launch.served_servers import served
-from launch.served_writer import write_results
+from launch.served_writer import plain, write_results
 
 LONG_FIGURES = {"ctx": sc.context_depths, "prefill": sc.prefill, "prefix": sc.prefix,
                 "gap": sc.midstream_gap}
@@ -133,6 +133,9 @@ def run(plan: Plan, rounds: int, check_agreement: bool) -> dict[str, object]:
                          "loadavg_1m": [before, os.getloadavg()[0]]})
             print(f"round {index + 1}/{rounds}: {engine} {seconds:.0f}s, 1-min load average "
                   f"{before:.1f} -> {os.getloadavg()[0]:.1f}", file=sys.stderr, flush=True)
+            # a long run interrupted still leaves every finished part
+            partial = plain({"rounds": results, "load": load})
+            (plan.out / "rounds.json").write_text(json.dumps(partial))
     summaries = [summarise(r, results) for r in rows(plan.figures, plan.tps, plan.long_tps,
                                                      plan.cfg)]
     return {"rounds": results, "summaries": summaries, "notes": notes, "agreement": agree,

@@ -13,14 +13,14 @@ from launch.machine import describe
 from launch.served_report import Summary, table
 
 
-def _plain(x: Any) -> Any:
+def plain(x: Any) -> Any:
     """JSON-safe: dataclasses to dicts, NaN to null (strict JSON has no NaN)."""
     if dataclasses.is_dataclass(x) and not isinstance(x, type):
-        return _plain(dataclasses.asdict(x))
+        return plain(dataclasses.asdict(x))
     if isinstance(x, dict):
-        return {str(k): _plain(v) for k, v in x.items()}
+        return {str(k): plain(v) for k, v in x.items()}
     if isinstance(x, (list, tuple)):
-        return [_plain(v) for v in x]
+        return [plain(v) for v in x]
     if isinstance(x, float) and math.isnan(x):
         return None
     return x
@@ -77,6 +77,6 @@ def plot(summaries: Sequence[Summary], path: Path) -> bool:
 
 
 def write_results(res: dict[str, Any], out: Path) -> None:
-    (out / "results.json").write_text(json.dumps(_plain(res), indent=1))
+    (out / "results.json").write_text(json.dumps(plain(res), indent=1))
     (out / "results.md").write_text(markdown(res))
     plot(res["summaries"], out / "results.png")
