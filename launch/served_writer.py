@@ -29,6 +29,9 @@ def plain(x: Any) -> Any:
 def markdown(res: dict[str, Any]) -> str:
     agree = res["agreement"]
     lines = [table(res["summaries"]), "",
+             "Values: medians over rounds. Ratio: the median of per-round ratios (each round "
+             "pairs the engines under the same load), higher is better for tpserve except the "
+             "2nd/1st and gap/TTFT rows, whose targets are upper bounds.",
              f"Machine: {describe(res['machine'])}.",
              f"Command: `{' '.join(res['command'])}`.",
              f"Model: {res['model']['mb_per_token']:.1f} MB of bf16 weights read per token."]
