@@ -36,8 +36,9 @@ def markdown(res: dict[str, Any]) -> str:
              f"Command: `{' '.join(res['command'])}`.",
              f"Model: {res['model']['mb_per_token']:.1f} MB of bf16 weights read per token."]
     if res["llama.cpp"]:
-        lines.append(f"llama.cpp: {res['llama.cpp']['bin']}, {res['llama.cpp']['threads']} "
-                     "threads.")
+        threads = ", ".join(map(str, res["llama.cpp"]["threads"]))
+        lines.append(f"llama.cpp: {res['llama.cpp']['bin']}; threads {threads}, each figure "
+                     f"its best (winning -t per round: {thread_wins(res['rounds']['llama.cpp'])}).")
     lines.append(f"Agreement: {agree if isinstance(agree, str) else agree['summary']}.")
     loads = [x for part in res["load"] for x in part["loadavg_1m"]]
     if loads:
@@ -45,6 +46,13 @@ def markdown(res: dict[str, Any]) -> str:
                      f"{max(loads):.1f} on {res['machine']['cpus']} CPUs.")
     lines += [f"Note: {n}" for n in res["notes"]]
     return "\n".join(lines) + "\n"
+
+
+def thread_wins(rounds: Sequence[dict[str, float]]) -> str:
+    """'b1 1,1,2; b16 2,2,2': llama.cpp's winning thread count per figure and round."""
+    keys = sorted({k for r in rounds for k in r if k.endswith(".threads")})
+    return "; ".join(f"{k.split('.')[0]} " + ",".join(f"{r[k]:g}" if k in r else "-" for r in rounds)
+                     for k in keys) or "none"
 
 
 def plot(summaries: Sequence[Summary], path: Path) -> bool:

@@ -312,3 +312,11 @@ def test_tokenizer_matches_gguf_vocabulary() -> None:
     ids = [259, 300, 20000, 31999]
     assert tok.encode("".join(vocab[i] for i in ids)).ids == ids
     assert tok.get_vocab_size() == 32000
+
+
+def test_thread_wins_per_figure_and_round() -> None:
+    from launch.served_writer import thread_wins
+
+    rounds = [best_of_threads({1: {"b1.decode_tok_s": 9.0}, 2: {"b1.decode_tok_s": 5.0}}),
+              best_of_threads({1: {"b1.decode_tok_s": 4.0}, 2: {"b1.decode_tok_s": 5.0}})]
+    assert thread_wins(rounds) == "b1 1,2"
