@@ -5,7 +5,10 @@ BF16, so llama.cpp reads the same bytes per token as tpserve); 1-D norm weights 
 llama.cpp expects. The q/k projections are permuted back from the Hugging Face rotate-half
 (NeoX) row order to the interleaved-pair order llama.cpp's ``llama`` architecture rotates.
 The vocabulary is a synthetic SentencePiece-style one (<unk>, <s>, </s>, 256 byte tokens,
-then placeholders): benchmarks feed token ids directly, so only its size matters.
+then one distinct CJK or Hangul character per id, no space prefix): benchmarks feed token ids
+directly, and a text made of those characters tokenizes to exactly one id per character in
+llama.cpp and in the matching ``tokenizer.json`` (``launch.bench_model``), so both engines can
+be given the same prompt as text.
 """
 
 from __future__ import annotations
@@ -29,6 +32,10 @@ TENSOR_MAP = {  # HF suffix -> GGUF name (per layer: prefixed with blk.{i}.)
     "mlp.up_proj.weight": "ffn_up.weight",
     "mlp.down_proj.weight": "ffn_down.weight",
 }
+# One printable, non-space character per token: CJK Unified Ideographs, Hangul syllables, CJK
+# Extension A (32164 + 6592 ids; Llama-2-sized vocabularies fit in the first two).
+CHAR_RANGES = ((0x4E00, 0xA000), (0xAC00, 0xD7A4), (0x3400, 0x4DC0))
+SPECIAL = ("<unk>", "<s>", "</s>")
 GLOBAL_MAP = {"model.embed_tokens.weight": "token_embd.weight",
               "model.norm.weight": "output_norm.weight", "lm_head.weight": "output.weight"}
 
@@ -71,6 +78,14 @@ def _as_numpy(t: torch.Tensor) -> tuple[np.ndarray, object]:
     return t.half().numpy(), None
 
 
+def vocabulary(size: int) -> list[str]:
+    """Token strings by id: the specials, the 256 byte tokens, then one character per id."""
+    chars = (chr(c) for lo, hi in CHAR_RANGES for c in range(lo, hi))
+    tokens = [*SPECIAL, *(f"<0x{b:02X}>" for b in range(256))]
+    tokens += [next(chars) for _ in range(size - len(tokens))]
+    return tokens
+
+
 def write_metadata(writer: object, cfg: dict) -> None:
     import gguf
 
@@ -88,8 +103,7 @@ def write_metadata(writer: object, cfg: dict) -> None:
     w.add_vocab_size(cfg["vocab_size"])
     w.add_file_type(gguf.LlamaFileType.MOSTLY_BF16)
     vocab = cfg["vocab_size"]
-    tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)]
-    tokens += [f"\u2581w{i}" for i in range(vocab - len(tokens))]
+    tokens = vocabulary(vocab)
     types = [gguf.TokenType.UNKNOWN, gguf.TokenType.CONTROL, gguf.TokenType.CONTROL]
     types += [gguf.TokenType.BYTE] * 256 + [gguf.TokenType.NORMAL] * (vocab - 259)
     w.add_tokenizer_model("llama")
@@ -99,6 +113,8 @@ def write_metadata(writer: object, cfg: dict) -> None:
     w.add_bos_token_id(1)
     w.add_eos_token_id(2)
     w.add_unk_token_id(0)
+    w.add_add_bos_token(True)
+    w.add_add_space_prefix(False)  # else every text would start with a byte-fallback "\u2581"
 
 
 def export(ckpt: Path, out: Path) -> Path:
