@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.harness import byte_tokenizer
 from tpserve.engine.sampling_params import SamplingParams
 from tpserve.errors import ConfigError
 from tpserve.generation_config import (
@@ -32,7 +33,7 @@ def write(directory: Path, cfg: dict) -> Path:
 def client_with(defaults: GenerationDefaults, limit: int = 4096) -> EngineClient:
     limits = ClientLimits(vocab_size=1000, context_length=8192, max_new_tokens_limit=limit,
                           max_queued_requests=1, server_seed=0, max_running_requests=1)
-    client = EngineClient(None, None, frozenset(), limits, {})  # type: ignore[arg-type]
+    client = EngineClient(None, byte_tokenizer(), frozenset(), limits, {})  # type: ignore[arg-type]
     client.sampling_defaults = defaults.sampling
     return client
 
