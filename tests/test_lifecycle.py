@@ -19,7 +19,7 @@ import pytest
 from tests.server_proc import running_server
 from tpserve.server.lifecycle import Watchdog
 
-FLAGS = ("--dtype", "float32", "--allreduce", "shm,gloo", "--context-length", "256",
+FLAGS = ("--device", "cpu", "--dtype", "float32", "--allreduce", "shm,gloo", "--context-length", "256",
          "--kv-cache-gb", "0.05", "--shutdown-timeout-s", "20")
 
 

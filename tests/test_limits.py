@@ -23,7 +23,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from tests.server_proc import running_server
 
-FLAGS = ("--dtype", "float32", "--allreduce", "gloo", "--context-length", "256",
+FLAGS = ("--device", "cpu", "--dtype", "float32", "--allreduce", "gloo", "--context-length", "256",
          "--kv-cache-gb", "0.05", "--max-running-requests", "2", "--max-queued-requests", "4",
          "--max-request-bytes", "65536", "--max-new-tokens-limit", "64")
 

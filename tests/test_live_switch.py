@@ -17,7 +17,7 @@ import pytest
 
 from tests.server_proc import running_server
 
-COMMON = ("--dtype", "float32", "--allreduce", "gloo,shm", "--context-length", "512",
+COMMON = ("--device", "cpu", "--dtype", "float32", "--allreduce", "gloo,shm", "--context-length", "512",
           "--kv-cache-gb", "0.05", "--enable-profiling")
 PROMPTS = ["import ", "def ", "class ", "for i in", "x = ", "# a", "return", "if not"]
 LAYERS = 8  # the shipped demo target

@@ -18,7 +18,7 @@ from tpserve.demo import demo_target
 
 KEY = "sk-tpserve-test"
 AUTH = {"Authorization": f"Bearer {KEY}"}
-FLAGS = ("--dtype", "float32", "--allreduce", "gloo", "--context-length", "256",
+FLAGS = ("--device", "cpu", "--dtype", "float32", "--allreduce", "gloo", "--context-length", "256",
          "--kv-cache-gb", "0.05", "--max-running-requests", "8", "--api-key", KEY)
 NO_EOS = {"ignore_eos": True}  # the demo model's random weights may emit EOS at any point
 
@@ -180,3 +180,17 @@ def test_metrics_move_by_the_right_amounts(server: str, client: openai.OpenAI) -
     assert after[("tpserve_kv_pages_total", frozenset())] > 0
     assert after[("tpserve_kv_pages_used", frozenset())] == 0
     assert after[("tpserve_num_running_requests", frozenset())] == 0
+
+
+def test_repeated_prompt_reports_cached_tokens(client: openai.OpenAI, server: str) -> None:
+    prompt = "def parse_arguments(argv):\n    parser = argparse.ArgumentParser()\n" * 3
+    first = client.completions.create(model="tpserve-demo", prompt=prompt, max_tokens=4,
+                                      temperature=0)
+    second = client.completions.create(model="tpserve-demo", prompt=prompt, max_tokens=4,
+                                       temperature=0)
+    assert second.choices[0].text == first.choices[0].text
+    cached = second.usage.prompt_tokens_details.cached_tokens
+    assert 16 <= cached < second.usage.prompt_tokens  # whole pages, never the last token
+    native = httpx.post(server + "/generate", json={"text": prompt, "sampling_params": {
+        "max_new_tokens": 2, "temperature": 0}}, headers=AUTH, timeout=60).json()
+    assert native["meta_info"]["cached_tokens"] == cached

@@ -13,7 +13,7 @@ from tokenizers import Tokenizer
 from tests.server_proc import running_server
 from tpserve.demo import demo_target
 
-FLAGS = ("--dtype", "float32", "--allreduce", "gloo", "--context-length", "256",
+FLAGS = ("--device", "cpu", "--dtype", "float32", "--allreduce", "gloo", "--context-length", "256",
          "--kv-cache-gb", "0.05", "--max-running-requests", "8")
 
 

@@ -87,9 +87,13 @@ class Reply:
         return {**self.header(True), "choices": choices}
 
 
-def usage(prompt_lens: list[int], outs: list[RequestOutput]) -> dict[str, int]:
-    """Each distinct prompt counts once, however many choices (n) it produced."""
+def usage(prompt_lens: list[int], outs: list[RequestOutput]) -> dict[str, Any]:
+    """Each distinct prompt counts once, however many choices (n) it produced; so do its
+    tokens served from the prefix cache (the choices' mean, as they share one prompt)."""
     prompt = sum(prompt_lens)
     completion = sum(len(o.output_ids) for o in outs)
+    hits = sum(int(o.meta.get("cached_tokens", 0)) for o in outs)
+    cached = min(prompt, round(hits * len(prompt_lens) / max(1, len(outs))))
     return {"prompt_tokens": prompt, "completion_tokens": completion,
-            "total_tokens": prompt + completion}
+            "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached}}

@@ -91,10 +91,15 @@ class ChatCompletionRequest(SamplingFields):
     tool_choice: str | dict[str, Any] | None = Field(None, description="auto | none")
 
 
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None
 
 
 class CompletionLogprobs(BaseModel):

@@ -19,23 +19,6 @@ class GenerateRequest(BaseModel):
     top_logprobs_num: int = Field(0, ge=0, le=20)
 
 
-class MetaInfo(BaseModel):
-    model_config = ConfigDict(extra="allow")
-
-    id: str
-    prompt_tokens: int
-    completion_tokens: int
-    finish_reason: dict[str, Any] | None
-    e2e_latency: float
-
-
-class GenerateResponse(BaseModel):
-    text: str
-    output_ids: list[int]
-    meta_info: MetaInfo
-    index: int | None = None
-
-
 class AbortRequest(BaseModel):
     rid: str
 
