@@ -33,7 +33,9 @@ PROMPTS = ("def fib(n):", "import ", "class Test(")
 def two_nodes(tmp: Path, *flags: str) -> Iterator[tuple[str, list[subprocess.Popen], list[Path]]]:
     rdzv, port = free_port(), free_port()
     procs, logs = [], []
-    env = {**os.environ, "TPSERVE_CACHE": str(tmp), "PYTHONUNBUFFERED": "1"}
+    # The run's own native build cache (content-keyed; see tests/server_proc.py): a fresh one
+    # per test made all four ranks compile every kernel at once, minutes on a loaded CI box.
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     try:
         for node in range(2):
             logs.append(tmp / f"node{node}.log")
