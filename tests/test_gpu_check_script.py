@@ -30,8 +30,7 @@ def test_without_a_gpu_the_gate_fails_in_one_line(tmp_path: Path) -> None:
 
 def serve_check(tmp_path: Path, *args: str, require: str = "") -> tuple[int, dict]:
     out = tmp_path / "result.json"
-    env = {**os.environ, "REQUIRE": require, "TPSERVE_CACHE": str(tmp_path),
-           "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, "REQUIRE": require, "PYTHONPATH": str(ROOT)}
     run = subprocess.run([sys.executable, "-m", "launch.gpu_serve_check", "--device", "cpu",
                           "--json", str(out), "--log", str(tmp_path / "server.log"), *args],
                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
