@@ -134,6 +134,9 @@ def test_speculation_switch_live_keeps_outputs(spec: str) -> None:
     assert info["engine"]["extra"]["spec"]["avg_accept_length"] > 1.5
     coverage = info["profile"]["phase_coverage"]
     assert 0.9 <= coverage <= 1.1, info["profile"]
+    # --speculative-draft-tp 1 (the default): every rank drafts alone, no collective at all.
+    assert info["profile"]["allreduce"].get("draft", {"calls": 0})["calls"] == 0, info["profile"]
+    assert info["profile"]["allreduce"]["verify"]["calls"] > 0
 
 
 def test_harness_end_to_end(spec: str, tmp_path: Path) -> None:
