@@ -17,6 +17,7 @@ import torch
 from tests.checkpoints import make_checkpoint
 from tests.eagle_checkpoints import make_draft
 from tests.spec_helpers import args_for
+from tpserve.args import ServerArgs
 from tpserve.engine.sampling_params import SamplingParams
 from tpserve.offline import OfflineEngine
 from tpserve.spec.adaptive import OFF, AdaptiveChooser, Setting, bucket_of, candidates
@@ -117,7 +118,7 @@ def ckpts(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
 def test_engine_switches_and_stays_lossless(ckpts: tuple[Path, Path]) -> None:
     torch.set_num_threads(1)
     target, draft = ckpts
-    prompts = [[1] + [(5 * i + 3 * j) % 31 + 1 for j in range(3 + 2 * i)] for i in range(6)]
+    prompts = [[1] + [(5 * i + 3 * j) % 31 + 1 for j in range(3 + 7 * i)] for i in range(6)]
     params = [SamplingParams(max_new_tokens=40, temperature=0.0, ignore_eos=True)] * 6
     plain = OfflineEngine(args_for(target))
     ref = [o.output_ids for o in plain.generate(prompts, params)]
@@ -133,3 +134,45 @@ def test_engine_switches_and_stays_lossless(ckpts: tuple[Path, Path]) -> None:
     tried = {label for row in snap["by_batch"].values() for label in row}
     assert {"off", "3/2/6", "3/1/4"} <= tried, snap  # anchors were measured: it switched
     assert snap["choice"] in snap["candidates"]
+
+
+DEMO = dict(device="cpu", dtype="float32", allreduce="gloo", cpu_threads=1,
+            max_total_tokens=2048, context_length=512, chunked_prefill_size=16)
+CODE = ("def ", "import numpy as np\nimport torch\n",
+        "class Foo:\n    def __init__(self, x):\n        self.x = x\n",
+        "for i in range(10):\n    print(i)\n    if i > 5:\n        break\n")
+
+
+def test_deferred_draft_rows_catch_up() -> None:
+    """Plain steps while speculation is off defer the draft's rows (mixed with prompt chunks
+    that extend it at once); switched back on, the draft catches up and is accepted as well
+    as if it had never stepped aside (the demo pair: a draft that is really accepted)."""
+    torch.set_num_threads(1)
+    params = SamplingParams(max_new_tokens=48, temperature=0.0, ignore_eos=True)
+    plain = OfflineEngine(ServerArgs(**DEMO))  # type: ignore[arg-type]
+    prompts = [plain.tokenizer.encode(t, add_special_tokens=False).ids for t in CODE]
+    ref = [o.output_ids for o in plain.generate(prompts, params)]
+    plain.close()
+    spec = OfflineEngine(ServerArgs(**DEMO, speculative_algorithm="EAGLE3",  # type: ignore[arg-type]
+                                    speculative_adaptive="off"))
+    engine = spec.engine
+    engine.reconfigure({"speculative": {"enabled": False}})
+    sink: dict = {}
+    reqs = [spec.request(p, params, sink) for p in prompts]
+    for req in reqs:
+        engine.scheduler.add(req)
+    kinds, deferred = set(), 0
+    while engine.scheduler.has_work():
+        batch = engine.next_batch()
+        assert batch is not None
+        kinds.add(batch.kind)
+        engine.step(batch)
+        deferred = max(deferred, max((len(v) for v in spec.spec.drafter.pending.values()),
+                                     default=0))
+        if engine.stats.steps == 24:
+            engine.reconfigure({"speculative": {"enabled": True}})
+    stats = spec.spec.snapshot()
+    spec.close()
+    assert [sink[r.rid].output_ids for r in reqs] == ref
+    assert "mixed" in kinds and deferred > 10  # rows really were deferred, next to chunks
+    assert stats["avg_accept_length"] > 2.0, stats

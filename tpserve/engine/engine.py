@@ -190,7 +190,8 @@ class Engine:
         prof = self.profiler
         msg = self.scheduler.plan(batch)
         if self.spec is not None:
-            msg = replace(msg, feed=self.spec.draft_feed(batch.requests, self._live()))
+            msg = replace(msg, feed=self.spec.draft_feed(batch.requests, self._live(),
+                                                          batch.q_lens))
         with prof.phase("control"):
             self.broadcast(msg)
         with self._phase(batch.kind):

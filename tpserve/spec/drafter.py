@@ -102,11 +102,15 @@ class Drafter:
         feats = self._features(out.aux)
         row_starts = np.cumsum(step.q_lens) - step.q_lens
         prev_ends = np.cumsum(feed.prev_lens)
-        rows, toks, starts = [], [], []
+        rows, toks, starts, extended = [], [], [], []
         for b, key in enumerate(feed.keys.tolist()):
             q, cached, r0 = int(step.q_lens[b]), int(step.cached_lens[b]), int(row_starts[b])
             new = feats[r0 : r0 + q]
             chunk = torch.from_numpy(step.token_ids[r0 : r0 + q]).long()
+            if feed.defer is not None and feed.defer[b]:  # written by a later extend
+                self.pending[key] = torch.cat([self.pending[key], new])
+                continue
+            extended.append(b)
             if feed.fresh[b] and cached == 0:  # a new sequence: token 0 has no draft row
                 rows.append(new[: q - 1])
                 toks.append(chunk[1:])
@@ -127,7 +131,7 @@ class Drafter:
                 starts.append(cached - len(held))
             self.pending[key] = new[q - 1 :]
         if any(len(t) for t in toks):  # a batch of one-token prompts has nothing to extend
-            self._draft_extend(rows, toks, starts, step.page_table)
+            self._draft_extend(rows, toks, starts, step.page_table[extended])
         return out
 
     def _draft_extend(self, rows: list[torch.Tensor], toks: list[torch.Tensor],
