@@ -36,9 +36,9 @@ class ServerArgs:
     shutdown_timeout_s: float = 10.0  # grace for in-flight requests on SIGTERM/SIGINT
     speculative_algorithm: str | None = None  # None | "EAGLE3"
     speculative_draft_model_path: str | None = None
-    speculative_num_steps: int = 3
-    speculative_eagle_topk: int = 1
-    speculative_num_draft_tokens: int = 4
+    speculative_num_steps: int = 4
+    speculative_eagle_topk: int = 2
+    speculative_num_draft_tokens: int = 8
     speculative_draft_tp: int = 1  # 1: every rank holds the whole draft (no draft collectives)
     speculative_adaptive: str = "on"  # on | off: pick the speculative setting per step
     disable_cuda_graph: bool = False

@@ -12,8 +12,11 @@ measured acceptance continued geometrically past the deepest depth seen.
 
 Three rules keep it honest and calm:
 - anchors (plain decoding, the launch setting, and the deepest chain when the launch setting
-  is a tree) are run for a few steps at each bucket before anything is predicted there, and
-  re-measured for one step every ``refresh_every`` steps so a stale estimate cannot stick;
+  is a tree) are run for a few steps at each bucket before anything is predicted there;
+  a setting measured at a bucket is then judged by its own step time and the acceptance
+  model (per-step token counts swing far more than step times), an unmeasured one by the
+  cost model alone, and the stalest measured one is re-run for a step every
+  ``refresh_every`` steps so a noisy estimate cannot stick;
 - a challenger replaces the current setting only when predicted ``margin`` faster, and not
   within ``hold_steps`` of the last switch (hysteresis: no flapping on noise);
 - candidates are only settings whose KV lookahead was reserved at launch, and when forwards
@@ -74,8 +77,13 @@ class Costs:
     step_ms: Ema = field(default_factory=Ema)
     forward_ms: Ema = field(default_factory=Ema)  # target decode or verify forward
     draft_ms: Ema = field(default_factory=Ema)
-    tok_s: Ema = field(default_factory=Ema)
+    tokens: Ema = field(default_factory=Ema)  # appended per step
     last_step: int = 0
+
+    @property
+    def tok_s(self) -> float:
+        # A ratio of means: a mean of per-step ratios would favour lucky fast steps.
+        return 1e3 * self.tokens.value / max(self.step_ms.value, 1e-6)
 
 
 @dataclass
@@ -149,7 +157,7 @@ class AdaptiveChooser:
         cost.step_ms.add(step_ms, alpha)
         cost.forward_ms.add(forward_ms, alpha)
         cost.draft_ms.add(draft_ms, alpha)
-        cost.tok_s.add(1e3 * tokens / max(step_ms, 1e-6), alpha)
+        cost.tokens.add(float(tokens), alpha)
         cost.last_step = self.steps
 
     def observe_accepts(self, setting: Setting, accepted: list[Accepted]) -> None:
@@ -209,7 +217,9 @@ class AdaptiveChooser:
                 if table.get(a) is None or table[a].step_ms.count < self.cfg.explore_steps]
         if need:
             return self.current if self.current in need else need[0]
-        stale = min(self.anchors, key=lambda a: table[a].last_step)
+        # Every setting measured here is re-measured now and then (a noisy first measurement
+        # must not bury a setting for good), anchors included.
+        stale = min(table, key=lambda s: table[s].last_step)
         if self.steps - table[stale].last_step > self.cfg.refresh_every:
             return stale
         return None
@@ -233,12 +243,12 @@ class AdaptiveChooser:
         bucket = self.last_bucket
         cur = self.costs.get(bucket, {}).get(self.current)
         table = {str(b): {s.label: {"predicted_tok_s": self.predict(b, s),
-                                    "measured_tok_s": c.tok_s.value, "steps": c.step_ms.count,
+                                    "measured_tok_s": c.tok_s, "steps": c.step_ms.count,
                                     "step_ms": c.step_ms.value}
                           for s, c in sorted(row.items())}
                  for b, row in sorted(self.costs.items())}
         return {"choice": self.current.label, "batch_bucket": bucket,
                 "predicted_tok_s": self.predict(bucket, self.current),
-                "measured_tok_s": cur.tok_s.value if cur is not None else None,
+                "measured_tok_s": cur.tok_s if cur is not None else None,
                 "switches": self.switches, "candidates": [s.label for s in self.allowed],
                 "by_batch": table}
