@@ -123,7 +123,7 @@ def test_engine_switches_and_stays_lossless(ckpts: tuple[Path, Path]) -> None:
     plain = OfflineEngine(args_for(target))
     ref = [o.output_ids for o in plain.generate(prompts, params)]
     plain.close()
-    spec = OfflineEngine(args_for(target, draft, 3, 2, 6))
+    spec = OfflineEngine(args_for(target, draft, 3, 2, 6, speculative_adaptive="on"))
     engine = spec.engine
     assert engine.adaptive is not None and engine.adaptive_on
     outs = [o.output_ids for o in spec.generate(prompts, params)]
