@@ -125,7 +125,7 @@ def test_engine_switches_and_stays_lossless(ckpts: tuple[Path, Path]) -> None:
     plain.close()
     spec = OfflineEngine(args_for(target, draft, 3, 2, 6, speculative_adaptive="on"))
     engine = spec.engine
-    assert engine.adaptive is not None and engine.adaptive_on
+    assert engine.adaptive is not None and engine.adaptive.on
     outs = [o.output_ids for o in spec.generate(prompts, params)]
     outs1 = [o.output_ids for o in spec.generate(prompts[:1], params[:1])]
     snap = engine.adaptive_snapshot()

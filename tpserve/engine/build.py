@@ -30,7 +30,7 @@ from tpserve.dist import (
     init_process_group,
     rank_info,
 )
-from tpserve.engine.adapt import make_chooser
+from tpserve.engine.adapt import make_driver
 from tpserve.engine.engine import Engine
 from tpserve.engine.follower import Channel, follow
 from tpserve.engine.kv_cache import KVCache, KVCacheConfig, KVLayout, PageAllocator
@@ -142,9 +142,8 @@ def build_engine(args: ServerArgs, on_stage: StageHook = _no_hook) -> BuiltEngin
         engine = Engine(runner, _scheduler(args, kv, context_length, spec_cfg), channel,
                         context_length, spec)
         engine.mixed = not args.disable_mixed_chunk
-        engine.adaptive = make_chooser(args, spec, engine.scheduler.cfg.decode_lookahead,
-                                       runner.static)
-        engine.adaptive_on = engine.adaptive is not None
+        engine.adaptive = make_driver(args, spec, engine.scheduler.cfg.decode_lookahead,
+                                      runner.static)
     return BuiltEngine(args, info, cfg, model_dir, comm, runner, spec, context_length, dtype,
                        channel, engine)
 

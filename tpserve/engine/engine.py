@@ -26,17 +26,16 @@ from typing import Any
 
 import torch
 
-from tpserve.engine.adapt import clocked, current_setting, observe_step, settings_for
-from tpserve.engine.admin import AdminError, apply_change, spec_settings, validate_change
+from tpserve.engine.adapt import AdaptiveDriver, current_setting, take_adaptive
+from tpserve.engine.admin import apply_change, spec_settings, validate_change
 from tpserve.engine.finish import append_tokens, emit_progress, fail_request
 from tpserve.engine.follower import Channel, run_forward
-from tpserve.engine.messages import ConfigChange, Shutdown, SpecCommit, StepMessage, encode
+from tpserve.engine.messages import Shutdown, SpecCommit, StepMessage, encode
 from tpserve.engine.profiler import StepProfiler, TraceCapture
 from tpserve.engine.request import Request
 from tpserve.engine.runner import ModelRunner
 from tpserve.engine.sampler import apply_min_tokens, apply_penalties, sample
 from tpserve.engine.scheduler import ScheduledBatch, Scheduler
-from tpserve.spec.adaptive import AdaptiveChooser
 from tpserve.spec.decoder import Decision, SpecDecoder
 from tpserve.spec.verify import Accepted
 
@@ -78,11 +77,7 @@ class Engine:
         self.profiler = StepProfiler(runner.comm)
         self.trace: TraceCapture | None = None  # a torch.profiler capture in progress
         self.mixed = True  # decode tokens and prompt chunks share a step
-        # Adaptive speculation (``engine/adapt.py``): the chooser, and whether it drives the
-        # settings now (an explicit admin setting pins them until re-enabled).
-        self.adaptive: AdaptiveChooser | None = None
-        self.adaptive_on = False
-        self._phase_s: dict[str, float] = {}  # this step's phase times, for the chooser
+        self.adaptive: AdaptiveDriver | None = None  # adaptive speculation (engine/adapt.py)
 
     def submit(self, cmd: Command) -> None:
         self.inbox.put(cmd)
@@ -152,7 +147,6 @@ class Engine:
 
     def step(self, batch: ScheduledBatch) -> None:
         start = time.perf_counter()
-        self._phase_s = {}
         if self.runner.comm is not None:
             self.runner.comm.check()  # a collective that failed asynchronously (cuda_p2p)
         speculating = self.spec is not None and self.spec.enabled and batch.kind == "decode"
@@ -163,25 +157,22 @@ class Engine:
             appended = self._forward_step(batch)
         seconds = time.perf_counter() - start
         self._account(batch, appended, seconds)
-        if self.adaptive_on and self.adaptive is not None and batch.kind == "decode":
-            assert setting is not None
-            observe_step(self.adaptive, setting, len(batch.requests), seconds, self._phase_s,
-                         appended)
+        if self.adaptive is not None and setting is not None and batch.kind == "decode":
+            self.adaptive.observe(setting, len(batch.requests), seconds, appended)
 
     def _phase(self, name: str) -> AbstractContextManager[None]:
-        return clocked(self.profiler.phase(name), self._phase_s, name)
+        inner = self.profiler.phase(name)
+        return inner if self.adaptive is None else self.adaptive.phase(inner, name)
 
     def _adapt(self) -> None:
         """Before a step: the chooser's setting for the running batch, applied on every rank
         between the same two steps (a ``ConfigChange``, like a live admin switch)."""
-        spec, chooser = self.spec, self.adaptive
-        if spec is None or chooser is None or not self.adaptive_on or not self.scheduler.running:
+        if self.spec is None or self.adaptive is None:
             return
-        choice = chooser.choose(len(self.scheduler.running))
-        if choice != current_setting(spec):
-            change = ConfigChange(speculative=settings_for(choice, spec))
+        change = self.adaptive.change_for(self.spec, len(self.scheduler.running))
+        if change is not None:
             self.broadcast(change)
-            apply_change(change, self.runner.comm, self.runner.static, spec)
+            apply_change(change, self.runner.comm, self.runner.static, self.spec)
 
     def _live(self) -> list[Request]:
         return [*self.scheduler.running, *self.scheduler.waiting]
@@ -215,7 +206,7 @@ class Engine:
         with prof.phase("accept"):
             decision = self._accept(reqs, verified)
         if self.adaptive is not None:
-            self.adaptive.observe_accepts(current_setting(spec), decision.accepted)
+            self.adaptive.chooser.observe_accepts(current_setting(spec), decision.accepted)
         with prof.phase("control"):
             self.broadcast(decision.commit)
         with prof.phase("commit"):
@@ -307,10 +298,8 @@ class Engine:
     def reconfigure(self, change: dict[str, Any]) -> dict[str, Any]:
         """Validate and apply a live change on every rank; returns the active settings.
 
-        ``speculative.adaptive`` turns the chooser on or off; any other speculative setting
-        given without it pins the settings (adaptive off) so an A/B arm measures what it
-        set."""
-        change = self._take_adaptive(change)
+        ``speculative.adaptive``: see ``AdaptiveDriver.take``."""
+        change = take_adaptive(self.adaptive, change)
         lookahead = self.scheduler.cfg.decode_lookahead
         valid = validate_change(change, self.runner.comm, self.spec, lookahead)
         if valid is not None:
@@ -324,33 +313,17 @@ class Engine:
             self.reset_stats()
         return self.active_settings()
 
-    def _take_adaptive(self, change: dict[str, Any]) -> dict[str, Any]:
-        body = change.get("speculative")
-        if not isinstance(body, dict) or self.spec is None:
-            return change
-        if "adaptive" in body:
-            if body["adaptive"] and self.adaptive is None:
-                raise AdminError("adaptive speculation was not set up at launch "
-                                 "(--speculative-adaptive off)")
-            self.adaptive_on = bool(body["adaptive"])
-            rest = {k: v for k, v in body.items() if k != "adaptive"}
-            return {**change, "speculative": rest or None}
-        self.adaptive_on = False
-        return change
-
     def active_settings(self) -> dict[str, Any]:
         comm = self.runner.comm
         spec = spec_settings(self.spec)
         if spec is not None:
-            spec["adaptive"] = self.adaptive_on
+            spec["adaptive"] = self.adaptive is not None and self.adaptive.on
         return {"allreduce": comm.active_name if comm is not None else None,
                 "speculative": spec, "profiling": self.profiler.enabled}
 
     def adaptive_snapshot(self) -> dict[str, Any] | None:
         """The chooser's choice, predicted and measured tok/s (None: no chooser)."""
-        if self.adaptive is None:
-            return None
-        return {"enabled": self.adaptive_on, **self.adaptive.snapshot()}
+        return self.adaptive.snapshot() if self.adaptive is not None else None
 
     def reset_stats(self) -> None:
         self.profiler.reset()
