@@ -78,6 +78,7 @@ class Costs:
     forward_ms: Ema = field(default_factory=Ema)  # target decode or verify forward
     draft_ms: Ema = field(default_factory=Ema)
     tokens: Ema = field(default_factory=Ema)  # appended per step
+    requests: Ema = field(default_factory=Ema)  # batch size per step (a bucket spans several)
     last_step: int = 0
 
     @property
@@ -158,6 +159,7 @@ class AdaptiveChooser:
         cost.forward_ms.add(forward_ms, alpha)
         cost.draft_ms.add(draft_ms, alpha)
         cost.tokens.add(float(tokens), alpha)
+        cost.requests.add(float(batch), alpha)
         cost.last_step = self.steps
 
     def observe_accepts(self, setting: Setting, accepted: list[Accepted]) -> None:
@@ -188,15 +190,19 @@ class AdaptiveChooser:
 
     def predict(self, bucket: int, setting: Setting) -> float | None:
         """Predicted tok/s of ``setting`` at ``bucket`` (None: not enough measurements)."""
+        # Each setting is judged at the batch sizes it was measured at (a bucket spans
+        # several; judging all at the bucket's top would favour whichever ran on fewer).
         cost = self.costs.get(bucket, {}).get(setting)
         if setting.off:
-            return 1e3 * bucket / cost.step_ms.value if cost is not None else None
+            return 1e3 * cost.requests.value / cost.step_ms.value if cost is not None else None
         model = self.model(bucket, setting.topk)
         if model is None:
             return None
         if cost is not None:  # measured here: its own step time, the model's acceptance
-            return 1e3 * bucket * model.accept_length(setting.steps) / cost.step_ms.value
-        return model.tok_s(setting.steps, setting.tokens, bucket)
+            return (1e3 * cost.requests.value * model.accept_length(setting.steps)
+                    / cost.step_ms.value)
+        seen = self.costs[bucket][OFF].requests.value  # model() needs plain measured here
+        return model.tok_s(setting.steps, setting.tokens, round(seen) or 1)
 
     # ---- the choice ----
 
