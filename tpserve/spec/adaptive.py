@@ -4,11 +4,11 @@ Rank 0 owns the chooser; its choice reaches every rank as an ordinary ``ConfigCh
 between two steps, so ranks never decide from timings they measured themselves.
 
 What is measured live, per batch-size bucket (powers of two) and setting: step time, the
-target forward inside it (decode or verify) and the draft phase; and, per branching factor,
-how often the draft is accepted at each depth. ``CostModel`` (the A/B harness's model) turns
+target forward inside it (decode or verify) and the draft phase; and, per bucket and
+branching factor, how often the draft is accepted at each depth. ``CostModel`` (the A/B harness's model) turns
 those into a prediction for settings not measured at a bucket yet: draft cost per depth, a
 verify line through the measured node counts (plain decode is the 1-node point), and the
-measured acceptance continued geometrically past the deepest depth seen.
+acceptance measured at that bucket, continued geometrically past the deepest depth seen.
 
 Three rules keep it honest and calm:
 - anchors (plain decoding, the launch setting, and the deepest chain when the launch setting
@@ -57,7 +57,7 @@ class AdaptiveConfig:
     explore_steps: int = 3  # steps each anchor runs at a bucket before predictions there
     refresh_every: int = 256  # steps at a bucket between one-step re-measurements of anchors
     alpha: float = 0.2  # weight of a new measurement in the moving averages
-    accept_decay: float = 0.998  # per verified tree: acceptance follows the current traffic
+    accept_decay: float = 0.99  # per verified tree: acceptance follows the current traffic
 
 
 @dataclass
@@ -141,7 +141,9 @@ class AdaptiveChooser:
         self.anchors = [OFF, launch] + ([deepest] if deepest in allowed and deepest != launch
                                         else [])
         self.costs: dict[int, dict[Setting, Costs]] = {}
-        self.accept: dict[int, Acceptance] = {}
+        # Acceptance per (bucket, topk): the requests in flight at one concurrency are not
+        # those at another, and how well a draft does depends a lot on the text.
+        self.accept: dict[tuple[int, int], Acceptance] = {}
         self.current = launch
         self.steps = 0
         self.last_switch = 0
@@ -163,8 +165,10 @@ class AdaptiveChooser:
         cost.last_step = self.steps
 
     def observe_accepts(self, setting: Setting, accepted: list[Accepted]) -> None:
-        self.accept.setdefault(setting.topk, Acceptance()).add(accepted, setting.steps,
-                                                                self.cfg.accept_decay)
+        """The accepted paths of one speculative step (its batch is ``len(accepted)``)."""
+        key = (bucket_of(len(accepted)), setting.topk)
+        self.accept.setdefault(key, Acceptance()).add(accepted, setting.steps,
+                                                      self.cfg.accept_decay)
 
     # ---- prediction ----
 
@@ -174,7 +178,7 @@ class AdaptiveChooser:
         table = self.costs.get(bucket, {})
         plain = table.get(OFF)
         spec = {s: c for s, c in table.items() if not s.off and s.topk == topk}
-        acc = self.accept.get(topk)
+        acc = self.accept.get((bucket, topk))
         if plain is None or not spec or acc is None or not acc.trees:
             return None
         points = [(1.0, plain.forward_ms.value)] + [(float(s.tokens), c.forward_ms.value)
