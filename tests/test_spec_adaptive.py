@@ -176,3 +176,19 @@ def test_deferred_draft_rows_catch_up() -> None:
     assert [sink[r.rid].output_ids for r in reqs] == ref
     assert "mixed" in kinds and deferred > 10  # rows really were deferred, next to chunks
     assert stats["avg_accept_length"] > 2.0, stats
+
+
+def test_ab_harness_has_an_adaptive_arm() -> None:
+    from launch.ab import ADAPTIVE, add_predictions, parse_spec
+    from launch.ab import Setting as Arm
+
+    assert parse_spec("adaptive") == ADAPTIVE and parse_spec("4/2/8") == (4, 2, 8)
+    assert Arm("shm", ADAPTIVE, 8).label == "shm spec=adaptive c=8"
+    row = dict(backend="shm", concurrency=8, tok_s=100.0, step_ms=10.0, phases_ms={},
+               accept_length=1.0, position_rates=[])
+    rows = [dict(row, spec=None, phases_ms={"decode": 8.0}),
+            dict(row, spec=(2, 1, 3), phases_ms={"draft": 2.0, "verify": 9.0},
+                 position_rates=[0.5, 0.25]),
+            dict(row, spec=ADAPTIVE)]
+    add_predictions(rows, [1])  # the model fits the pinned arms; the adaptive arm is measured
+    assert "predicted_tok_s" in rows[1] and "predicted_tok_s" not in rows[2]
