@@ -18,7 +18,8 @@ Three rules keep it honest and calm:
   cost model alone, and the stalest measured one is re-run for a step every
   ``refresh_every`` steps so a noisy estimate cannot stick;
 - a challenger replaces the current setting only when predicted ``margin`` faster, and not
-  within ``hold_steps`` of the last switch (hysteresis: no flapping on noise);
+  within ``hold_steps`` of the last switch (hysteresis: no flapping on noise); speculation
+  must also be predicted ``margin`` faster than plain decoding to be chosen at all;
 - candidates are only settings whose KV lookahead was reserved at launch, and when forwards
   are captured or compiled per shape, only the captured shape (or plain decoding).
 """
@@ -238,6 +239,10 @@ class AdaptiveChooser:
         preds = {s: p for s in self.allowed if (p := self.predict(bucket, s)) is not None}
         if not preds:
             return self.current
+        if OFF in preds:
+            # Speculation has to earn its place: it costs memory, draft work and a batch's
+            # mixing of prompt chunks, so near a tie plain decoding wins.
+            preds[OFF] *= 1 + self.cfg.margin
         best = max(preds, key=lambda s: preds[s])
         now = preds.get(self.current)
         held = self.steps - self.last_switch >= self.cfg.hold_steps
