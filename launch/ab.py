@@ -6,6 +6,10 @@ setting, benchmarks each (warm-up + repeated runs), and writes ``ab.json``, ``ab
 table with tok/s, accept length, per-phase ms, allreduce ms per step and the speedup over
 no speculation on the same backend, then a verdict and the cost model's predictions.
 ``--launch "CMD"`` starts the server itself (and stops it afterwards).
+
+``adaptive`` in ``--spec`` is the engine's own choice per step (``--speculative-adaptive``):
+e.g. ``--spec off,3/1/4,4/2/8,adaptive --concurrency 1,4,8,16``. Fixed arms pin the
+settings (adaptive off); the adaptive arm hands them back to the chooser.
 """
 
 from __future__ import annotations
@@ -29,18 +33,25 @@ from tpserve.bench import DEFAULT_PROMPTS, run_batch
 @dataclass(frozen=True)
 class Setting:
     backend: str
-    spec: tuple[int, int, int] | None  # (num_steps, eagle_topk, num_draft_tokens) or off
+    # (num_steps, eagle_topk, num_draft_tokens), ADAPTIVE, or None (off)
+    spec: tuple[int, int, int] | str | None
     concurrency: int
 
     @property
     def label(self) -> str:
-        spec = "off" if self.spec is None else "/".join(map(str, self.spec))
+        spec = ("off" if self.spec is None else self.spec if isinstance(self.spec, str)
+                else "/".join(map(str, self.spec)))
         return f"{self.backend} spec={spec} c={self.concurrency}"
 
 
-def parse_spec(text: str) -> tuple[int, int, int] | None:
+ADAPTIVE = "adaptive"
+
+
+def parse_spec(text: str) -> tuple[int, int, int] | str | None:
     if text in ("off", "none", "0"):
         return None
+    if text == ADAPTIVE:
+        return ADAPTIVE
     steps, topk, tokens = (int(x) for x in text.split("/"))
     return steps, topk, tokens
 
@@ -55,7 +66,9 @@ def admin(url: str, body: dict[str, Any], key: str | None) -> dict[str, Any]:
 
 def apply(url: str, s: Setting, key: str | None) -> None:
     spec: dict[str, Any] = {"enabled": s.spec is not None}
-    if s.spec is not None:
+    if s.spec == ADAPTIVE:
+        spec = {"adaptive": True}
+    elif s.spec is not None:
         spec.update(num_steps=s.spec[0], eagle_topk=s.spec[1], num_draft_tokens=s.spec[2])
     admin(url, {"allreduce": s.backend, "speculative": spec, "profiling": True}, key)
 
@@ -80,8 +93,10 @@ def measure(url: str, s: Setting, args: argparse.Namespace, prompts: list[str]) 
         "allreduce_calls_per_step": sum(v["calls_per_step"] for v in prof.get("allreduce", {}).values()),
         "allreduce_wait_ms_per_step": sum(v.get("wait_ms_per_step", 0.0)
                                           for v in prof.get("allreduce", {}).values()),
-        "accept_length": spec_stats.get("avg_accept_length") if s.spec else 1.0,
+        "accept_length": spec_stats.get("avg_accept_length", 1.0) if s.spec else 1.0,
         "position_rates": spec_stats.get("position_accept_rate", []) if s.spec else [],
+        "adaptive": (info.get("engine", {}).get("extra", {}).get("spec_adaptive")
+                     if s.spec == ADAPTIVE else None),
     }
 
 
@@ -108,8 +123,11 @@ def add_predictions(rows: list[dict[str, Any]], extra_steps: list[int]) -> list[
     for (backend, conc), group in groups.items():
         if not any(r["spec"] for r in group) or not any(r["spec"] is None for r in group):
             continue
-        model = fit([to_measurement(r) for r in group])
-        for r in group:
+        fixed = [r for r in group if r["spec"] != ADAPTIVE]  # the model fits pinned settings
+        if not any(r["spec"] for r in fixed):
+            continue
+        model = fit([to_measurement(r) for r in fixed])
+        for r in fixed:
             steps, nodes = (r["spec"][0], r["spec"][2]) if r["spec"] else (0, 1)
             r["predicted_tok_s"] = model.tok_s(steps, nodes, conc)
         done = {r["spec"][0] for r in group if r["spec"] and r["spec"][1] == 1}

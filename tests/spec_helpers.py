@@ -20,11 +20,13 @@ BASE = dict(allreduce="gloo", device="cpu", dtype="float32", max_total_tokens=40
 
 def args_for(target: Path, draft: Path | None = None, steps: int = 3, topk: int = 1,
              tokens: int = 4, **kw: Any) -> ServerArgs:
+    # The settings given are pinned (adaptive off) unless a test asks for the chooser: these
+    # tests check what one setting does, step by step.
     spec = {} if draft is None else dict(
         speculative_algorithm="EAGLE3", speculative_draft_model_path=str(draft),
         speculative_num_steps=steps, speculative_eagle_topk=topk,
-        speculative_num_draft_tokens=tokens)
-    return ServerArgs(model=str(target), **{**BASE, **kw}, **spec)
+        speculative_num_draft_tokens=tokens, speculative_adaptive="off")
+    return ServerArgs(model=str(target), **{**BASE, **spec, **kw})
 
 
 def _rank_main(rank: int, world: int, store: str, fn: Callable[..., Any], arg: Any,

@@ -134,6 +134,30 @@ def test_speculation_switch_live_keeps_outputs(spec: str) -> None:
     assert info["engine"]["extra"]["spec"]["avg_accept_length"] > 1.5
     coverage = info["profile"]["phase_coverage"]
     assert 0.9 <= coverage <= 1.1, info["profile"]
+    # --speculative-draft-tp 1 (the default): every rank drafts alone, no collective at all.
+    assert info["profile"]["allreduce"].get("draft", {"calls": 0})["calls"] == 0, info["profile"]
+    assert info["profile"]["allreduce"]["verify"]["calls"] > 0
+
+
+def test_adaptive_speculation_is_lossless_and_reported(spec: str) -> None:
+    admin(spec, speculative={"enabled": False})  # pinned off: the plain reference
+    reference = run_while(spec, 40, [])
+    active = admin(spec, speculative={"adaptive": True}, reset_stats=True)
+    assert active["speculative"]["adaptive"] is True
+    # The chooser switches settings on its own (its anchors alone are three settings) while
+    # batches shrink from 8 to 1 as streams finish; greedy outputs must not change.
+    assert run_while(spec, 40, []) == reference
+    info = httpx.get(spec + "/get_server_info", timeout=30).json()
+    chosen = info["engine"]["extra"]["spec_adaptive"]
+    assert chosen["enabled"] is True and chosen["choice"] in chosen["candidates"]
+    assert {"off", "4/2/8"} <= {s for row in chosen["by_batch"].values() for s in row}
+    assert info["profile"]["speculative_adaptive"]["choice"] == chosen["choice"]
+    metrics = httpx.get(spec + "/metrics", timeout=30).text
+    assert f'tpserve_spec_adaptive_choice{{setting="{chosen["choice"]}"}} 1.0' in metrics
+    assert "tpserve_spec_adaptive_predicted_tok_s" in metrics
+    assert "tpserve_spec_adaptive_measured_tok_s" in metrics
+    pinned = admin(spec, speculative={"enabled": True, "num_steps": 3, "num_draft_tokens": 4})
+    assert pinned["speculative"]["adaptive"] is False
 
 
 def test_harness_end_to_end(spec: str, tmp_path: Path) -> None:

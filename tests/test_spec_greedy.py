@@ -33,9 +33,9 @@ def prompts_and_params() -> tuple[list[list[int]], list[SamplingParams]]:
 
 
 def generate(arg: tuple) -> list[tuple[list[int], str, dict]]:
-    target, draft, setting, batch = arg
+    target, draft, setting, batch, *extra = arg
     steps, topk, tokens = setting
-    engine = OfflineEngine(args_for(target, draft, steps, topk, tokens))
+    engine = OfflineEngine(args_for(target, draft, steps, topk, tokens, **(extra or [{}])[0]))
     if engine.built.info.rank != 0:
         engine.follow()
         return []
@@ -61,3 +61,6 @@ def test_tp2_chain_and_tree(ckpts: tuple[Path, Path, Path]) -> None:
     ref = generate((target, None, SETTINGS[0], 8))
     assert run_tp(2, generate, (target, mimic, SETTINGS[0], 8)) == ref
     assert run_tp(2, generate, (target, sub, SETTINGS[1], 8)) == ref
+    # The draft sharded like the target (--speculative-draft-tp 2) drafts the same trees.
+    sharded = {"speculative_draft_tp": 2}
+    assert run_tp(2, generate, (target, sub, SETTINGS[1], 8, sharded)) == ref

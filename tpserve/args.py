@@ -36,9 +36,11 @@ class ServerArgs:
     shutdown_timeout_s: float = 10.0  # grace for in-flight requests on SIGTERM/SIGINT
     speculative_algorithm: str | None = None  # None | "EAGLE3"
     speculative_draft_model_path: str | None = None
-    speculative_num_steps: int = 3
-    speculative_eagle_topk: int = 1
-    speculative_num_draft_tokens: int = 4
+    speculative_num_steps: int = 4
+    speculative_eagle_topk: int = 2
+    speculative_num_draft_tokens: int = 8
+    speculative_draft_tp: int = 1  # 1: every rank holds the whole draft (no draft collectives)
+    speculative_adaptive: str = "on"  # on | off: pick the speculative setting per step
     disable_cuda_graph: bool = False
     disable_radix_cache: bool = False  # prefix caching is on by default
     disable_mixed_chunk: bool = False  # decode tokens and prompt chunks share steps by default
@@ -88,6 +90,12 @@ FLAG_HELP = {
     "speculative_num_steps": "draft depth (draft forwards per step)",
     "speculative_eagle_topk": "branching factor per draft step (1 = chain)",
     "speculative_num_draft_tokens": "tree nodes verified per step, root included",
+    "speculative_draft_tp": "ranks the draft is split over: 1 (default) replicates the whole "
+                            "draft on every rank so drafting needs no collective; the TP size "
+                            "shards it like the target",
+    "speculative_adaptive": "on (default): choose per step between plain decoding, chains and "
+                            "the launch tree from live cost and acceptance measurements; off: "
+                            "pin the --speculative-* settings",
     "disable_cuda_graph": "GPU: run decode, draft and verify eagerly (no CUDA graphs)",
     "disable_radix_cache": "turn off prefix caching (reuse of KV pages of shared prompt prefixes)",
     "disable_mixed_chunk": "alternate prefill and decode steps instead of mixing running "

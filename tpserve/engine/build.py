@@ -30,6 +30,7 @@ from tpserve.dist import (
     init_process_group,
     rank_info,
 )
+from tpserve.engine.adapt import make_driver
 from tpserve.engine.engine import Engine
 from tpserve.engine.follower import Channel, follow
 from tpserve.engine.kv_cache import KVCache, KVCacheConfig, KVLayout, PageAllocator
@@ -52,7 +53,7 @@ from tpserve.models.registry import build_model
 from tpserve.preflight import check_before_loading
 from tpserve.spec.config import SpecConfig, spec_config_from_args
 from tpserve.spec.decoder import SpecDecoder
-from tpserve.spec.setup import LoadedDraft, load_draft, make_decoder
+from tpserve.spec.setup import LoadedDraft, draft_tp_context, load_draft, make_decoder
 
 log = logging.getLogger("tpserve")
 
@@ -125,8 +126,9 @@ def build_engine(args: ServerArgs, on_stage: StageHook = _no_hook) -> BuiltEngin
     draft = None
     if spec_cfg is not None:
         with stage("loading the draft model", on_stage):
-            draft = load_draft(spec_cfg, str(args.speculative_draft_model_path), cfg, tp, dtype,
-                               info.device, max_position, ROTARY_HEADROOM)
+            draft_tp = draft_tp_context(args.speculative_draft_tp, tp)
+            draft = load_draft(spec_cfg, str(args.speculative_draft_model_path), cfg, draft_tp,
+                               dtype, info.device, max_position, ROTARY_HEADROOM)
             draft.model.set_attention_backend(attention)
     with stage("allocating KV cache", on_stage):
         kv = make_kv(args, model, draft, info, dtype, context_length)
@@ -140,6 +142,8 @@ def build_engine(args: ServerArgs, on_stage: StageHook = _no_hook) -> BuiltEngin
         engine = Engine(runner, _scheduler(args, kv, context_length, spec_cfg), channel,
                         context_length, spec)
         engine.mixed = not args.disable_mixed_chunk
+        engine.adaptive = make_driver(args, spec, engine.scheduler.cfg.decode_lookahead,
+                                      runner.static)
     return BuiltEngine(args, info, cfg, model_dir, comm, runner, spec, context_length, dtype,
                        channel, engine)
 

@@ -20,11 +20,13 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 
+from tpserve.engine.adapt import AdaptiveDriver, current_setting, take_adaptive
 from tpserve.engine.admin import apply_change, spec_settings, validate_change
 from tpserve.engine.finish import append_tokens, emit_progress, fail_request
 from tpserve.engine.follower import Channel, run_forward
@@ -75,6 +77,7 @@ class Engine:
         self.profiler = StepProfiler(runner.comm)
         self.trace: TraceCapture | None = None  # a torch.profiler capture in progress
         self.mixed = True  # decode tokens and prompt chunks share a step
+        self.adaptive: AdaptiveDriver | None = None  # adaptive speculation (engine/adapt.py)
 
     def submit(self, cmd: Command) -> None:
         self.inbox.put(cmd)
@@ -138,6 +141,7 @@ class Engine:
 
     def next_batch(self) -> ScheduledBatch | None:
         """Mixed batches unless speculation is on (its verify is a tree forward of its own)."""
+        self._adapt()
         speculating = self.spec is not None and self.spec.enabled
         return self.scheduler.next_batch(mixed=self.mixed and not speculating)
 
@@ -145,11 +149,30 @@ class Engine:
         start = time.perf_counter()
         if self.runner.comm is not None:
             self.runner.comm.check()  # a collective that failed asynchronously (cuda_p2p)
-        if self.spec is not None and self.spec.enabled and batch.kind == "decode":
+        speculating = self.spec is not None and self.spec.enabled and batch.kind == "decode"
+        setting = current_setting(self.spec) if self.spec is not None else None
+        if speculating:
             appended = self._spec_step(batch)
         else:
             appended = self._forward_step(batch)
-        self._account(batch, appended, time.perf_counter() - start)
+        seconds = time.perf_counter() - start
+        self._account(batch, appended, seconds)
+        if self.adaptive is not None and setting is not None and batch.kind == "decode":
+            self.adaptive.observe(setting, len(batch.requests), seconds, appended)
+
+    def _phase(self, name: str) -> AbstractContextManager[None]:
+        inner = self.profiler.phase(name)
+        return inner if self.adaptive is None else self.adaptive.phase(inner, name)
+
+    def _adapt(self) -> None:
+        """Before a step: the chooser's setting for the running batch, applied on every rank
+        between the same two steps (a ``ConfigChange``, like a live admin switch)."""
+        if self.spec is None or self.adaptive is None:
+            return
+        change = self.adaptive.change_for(self.spec, len(self.scheduler.running))
+        if change is not None:
+            self.broadcast(change)
+            apply_change(change, self.runner.comm, self.runner.static, self.spec)
 
     def _live(self) -> list[Request]:
         return [*self.scheduler.running, *self.scheduler.waiting]
@@ -158,10 +181,11 @@ class Engine:
         prof = self.profiler
         msg = self.scheduler.plan(batch)
         if self.spec is not None:
-            msg = replace(msg, feed=self.spec.draft_feed(batch.requests, self._live()))
+            msg = replace(msg, feed=self.spec.draft_feed(batch.requests, self._live(),
+                                                          batch.q_lens))
         with prof.phase("control"):
             self.broadcast(msg)
-        with prof.phase(batch.kind):
+        with self._phase(batch.kind):
             out = run_forward(self.runner, self.spec, msg)
         with prof.phase("sample"):
             sampling = [r for r, s in zip(batch.requests, batch.samples()) if s]
@@ -178,9 +202,11 @@ class Engine:
         msg = spec.plan(reqs, self._live())
         with prof.phase("control"):
             self.broadcast(msg)
-        verified = spec.run(msg, prof.phase)
+        verified = spec.run(msg, self._phase)
         with prof.phase("accept"):
             decision = self._accept(reqs, verified)
+        if self.adaptive is not None:
+            self.adaptive.chooser.observe_accepts(current_setting(spec), decision.accepted)
         with prof.phase("control"):
             self.broadcast(decision.commit)
         with prof.phase("commit"):
@@ -270,7 +296,10 @@ class Engine:
     # ---- settings, statistics, traces ----
 
     def reconfigure(self, change: dict[str, Any]) -> dict[str, Any]:
-        """Validate and apply a live change on every rank; returns the active settings."""
+        """Validate and apply a live change on every rank; returns the active settings.
+
+        ``speculative.adaptive``: see ``AdaptiveDriver.take``."""
+        change = take_adaptive(self.adaptive, change)
         lookahead = self.scheduler.cfg.decode_lookahead
         valid = validate_change(change, self.runner.comm, self.spec, lookahead)
         if valid is not None:
@@ -286,8 +315,15 @@ class Engine:
 
     def active_settings(self) -> dict[str, Any]:
         comm = self.runner.comm
+        spec = spec_settings(self.spec)
+        if spec is not None:
+            spec["adaptive"] = self.adaptive is not None and self.adaptive.on
         return {"allreduce": comm.active_name if comm is not None else None,
-                "speculative": spec_settings(self.spec), "profiling": self.profiler.enabled}
+                "speculative": spec, "profiling": self.profiler.enabled}
+
+    def adaptive_snapshot(self) -> dict[str, Any] | None:
+        """The chooser's choice, predicted and measured tok/s (None: no chooser)."""
+        return self.adaptive.snapshot() if self.adaptive is not None else None
 
     def reset_stats(self) -> None:
         self.profiler.reset()

@@ -29,6 +29,10 @@ class DraftFeed:
     prev_tokens: np.ndarray  # flat int64: per request, tokens pairing with held features
     prev_lens: np.ndarray  # [B] int32: how many of prev_tokens belong to each request
     fresh: np.ndarray  # [B] bool: the request's first chunk since admission (no draft state)
+    # [B] bool: keep this step's features pending instead of extending the draft now (plain
+    # decode steps while speculation steps aside: the next speculative step, or a flush at
+    # ``MAX_DEFERRED`` pending rows, writes them in one batched draft forward)
+    defer: np.ndarray | None = None
 
 
 @dataclass(frozen=True)

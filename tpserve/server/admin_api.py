@@ -31,6 +31,9 @@ class SpeculativeSettings(BaseModel):
     num_steps: int | None = Field(None, ge=1, le=32)
     eagle_topk: int | None = Field(None, ge=1, le=16)
     num_draft_tokens: int | None = Field(None, ge=2, le=256)
+    adaptive: bool | None = Field(None, description="true: the engine picks the setting per "
+                                  "step (--speculative-adaptive); any other speculative setting "
+                                  "given without it pins the settings")
 
 
 class AdminConfig(BaseModel):

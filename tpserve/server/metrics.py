@@ -51,6 +51,7 @@ class EngineCollector(Collector):
                          "pages / prompt tokens admitted", cache["hit_rate"])
         yield from _allreduce(snap.get("allreduce_stats") or {})
         yield from _speculative((snap.get("engine") or {}).get("extra") or {})
+        yield from _adaptive((snap.get("engine") or {}).get("extra") or {})
         yield from _profile(snap.get("profile") or {})
 
 
@@ -94,6 +95,26 @@ def _speculative(extra: dict[str, Any]) -> Iterator[Any]:
         for depth, rate in enumerate(rates):
             family.add_metric([str(depth)], float(rate))
         yield family
+
+
+def _adaptive(extra: dict[str, Any]) -> Iterator[Any]:
+    """Adaptive speculation: the setting chosen now, its predicted and measured tok/s."""
+    snap = extra.get("spec_adaptive")
+    if not isinstance(snap, dict):
+        return
+    yield _gauge("tpserve_spec_adaptive_enabled", "1 while the adaptive chooser drives "
+                 "the speculative settings", 1.0 if snap.get("enabled") else 0.0)
+    choice = GaugeMetricFamily("tpserve_spec_adaptive_choice",
+                               "1 for the setting the chooser runs now (off = plain decoding)",
+                               labels=["setting"])
+    choice.add_metric([str(snap.get("choice"))], 1.0)
+    yield choice
+    for key, doc in (("predicted_tok_s", "predicted tok/s of the chosen setting"),
+                     ("measured_tok_s", "measured tok/s of the chosen setting (moving mean)")):
+        if isinstance(snap.get(key), (int, float)):
+            yield _gauge(f"tpserve_spec_adaptive_{key}", doc, float(snap[key]))
+    yield _gauge("tpserve_spec_adaptive_switches", "setting changes made on predictions",
+                 float(snap.get("switches", 0)))
 
 
 def _profile(prof: dict[str, Any]) -> Iterator[Any]:

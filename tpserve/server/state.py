@@ -69,10 +69,14 @@ def _engine_snapshot(engine: Any) -> dict[str, Any]:
         "preemptions": sched.preemptions,
         # Speculation statistics belong to the decoder; reported where clients read them.
         "engine": {**dataclasses.asdict(stats),
-                   "extra": {"spec": engine.spec.snapshot()} if engine.spec is not None else {}},
+                   "extra": {"spec": engine.spec.snapshot(),
+                             "spec_adaptive": engine.adaptive_snapshot()}
+                   if engine.spec is not None else {}},
         "control_message_us_avg": 1e6 * stats.control_seconds / max(1, stats.steps),
         "active": engine.active_settings(),
-        "profile": engine.profiler.snapshot(),
+        # The adaptive chooser's view sits next to the phase times it is computed from.
+        "profile": {**engine.profiler.snapshot(),
+                    "speculative_adaptive": engine.adaptive_snapshot()},
         # CUDA graphs / torch.compile: buckets, capture or compile time, memory per set
         "cuda_graph": dict(getattr(engine.runner, "graph_info", {})),
     }

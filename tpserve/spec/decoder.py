@@ -25,6 +25,10 @@ from tpserve.spec.stats import SpecStats, record_request
 from tpserve.spec.verify import Accepted, accept_batch, node_logits, token_logprobs
 
 Logprobs = list[tuple[int, float, Any]] | None
+# Pending draft rows a request may hold while speculation steps aside: the batched extend
+# that writes them costs about one draft forward whatever their number, so deferring
+# amortises it; the cap bounds the memory (rows x hidden) and the catch-up work.
+MAX_DEFERRED = 32
 
 
 def request_key(req: Request) -> int:
@@ -77,15 +81,24 @@ class SpecDecoder:
         alive = {request_key(r) for r in live}
         return np.array([k for k in self.drafter.pending if k not in alive], dtype=np.int64)
 
-    def draft_feed(self, reqs: Sequence[Request], live: Sequence[Request]) -> DraftFeed:
+    def draft_feed(self, reqs: Sequence[Request], live: Sequence[Request],
+                   q_lens: Sequence[int]) -> DraftFeed:
         """What a plain step must tell every rank's drafter about ``reqs``."""
         fresh = [r.num_cached == r.cached_prefix for r in reqs]
-        prev = [[] if new else self._held_tokens(r) for r, new in zip(reqs, fresh, strict=True)]
+        defer = [self._defers(r, new, q) for r, new, q in zip(reqs, fresh, q_lens, strict=True)]
+        prev = [[] if new or late else self._held_tokens(r)
+                for r, new, late in zip(reqs, fresh, defer, strict=True)]
         return DraftFeed(np.array([request_key(r) for r in reqs], dtype=np.int64),
                          self._drops(live),
                          np.array([t for p in prev for t in p], dtype=np.int64),
                          np.array([len(p) for p in prev], dtype=np.int32),
-                         np.array(fresh, dtype=np.bool_))
+                         np.array(fresh, dtype=np.bool_), np.array(defer, dtype=np.bool_))
+
+    def _defers(self, req: Request, fresh: bool, q_len: int) -> bool:
+        """A decode token while speculation is off: its draft row can wait (see DraftFeed)."""
+        held = self.drafter.pending.get(request_key(req))
+        return (not self.enabled and not fresh and q_len == 1 and held is not None
+                and len(held) < MAX_DEFERRED)
 
     def _held_tokens(self, req: Request) -> list[int]:
         """Tokens that pair with all but the last pending feature of ``req`` (none after a

@@ -49,8 +49,12 @@ class Verified:
 
 class Drafter:
     def __init__(self, runner: ModelRunner, draft: Eagle3Draft, draft_kv: KVCache,
-                 cfg: SpecConfig, aux_layers: tuple[int, ...]) -> None:
+                 cfg: SpecConfig, aux_layers: tuple[int, ...],
+                 embed: torch.nn.Module | None = None) -> None:
         self.runner, self.draft, self.draft_kv, self.cfg = runner, draft, draft_kv, cfg
+        # The token embedding the draft reads (a whole replica when the draft is not sharded,
+        # so drafting issues no collective); default: the target's own.
+        self.embed = embed if embed is not None else runner.model.embed_tokens
         # Our forward returns aux states in layer order; fc wants the config's order.
         self.aux_sorted = tuple(sorted(aux_layers))
         self.aux_order = [self.aux_sorted.index(i) for i in aux_layers]
@@ -65,7 +69,7 @@ class Drafter:
         self.verify_forward = verify_forward(model, self.runner.kv.layers, self.draft,
                                              self.aux_sorted, self.aux_order,
                                              self.cfg.num_draft_tokens)
-        self.draft_forward = draft_forward(self.draft, model.embed_tokens,
+        self.draft_forward = draft_forward(self.draft, self.embed,
                                            self.draft_kv.layers[0], self.cfg.topk,
                                            self.draft.cfg.base.hidden_size,
                                            self.draft.fc.weight.dtype)
@@ -98,11 +102,15 @@ class Drafter:
         feats = self._features(out.aux)
         row_starts = np.cumsum(step.q_lens) - step.q_lens
         prev_ends = np.cumsum(feed.prev_lens)
-        rows, toks, starts = [], [], []
+        rows, toks, starts, extended = [], [], [], []
         for b, key in enumerate(feed.keys.tolist()):
             q, cached, r0 = int(step.q_lens[b]), int(step.cached_lens[b]), int(row_starts[b])
             new = feats[r0 : r0 + q]
             chunk = torch.from_numpy(step.token_ids[r0 : r0 + q]).long()
+            if feed.defer is not None and feed.defer[b]:  # written by a later extend
+                self.pending[key] = torch.cat([self.pending[key], new])
+                continue
+            extended.append(b)
             if feed.fresh[b] and cached == 0:  # a new sequence: token 0 has no draft row
                 rows.append(new[: q - 1])
                 toks.append(chunk[1:])
@@ -123,7 +131,7 @@ class Drafter:
                 starts.append(cached - len(held))
             self.pending[key] = new[q - 1 :]
         if any(len(t) for t in toks):  # a batch of one-token prompts has nothing to extend
-            self._draft_extend(rows, toks, starts, step.page_table)
+            self._draft_extend(rows, toks, starts, step.page_table[extended])
         return out
 
     def _draft_extend(self, rows: list[torch.Tensor], toks: list[torch.Tensor],
@@ -137,7 +145,7 @@ class Drafter:
                         page_table)
         fb = build_forward_batch(layout, self.draft_kv.cfg.page_size, device)
         feats = torch.cat(rows).to(device=device, dtype=self.draft.fc.weight.dtype)
-        out = self.draft(self.runner.model.embed_tokens(fb.input_ids), feats, fb,
+        out = self.draft(self.embed(fb.input_ids), feats, fb,
                          self.draft_kv.layers[0])
         last = torch.from_numpy(np.maximum(np.cumsum(lens) - 1, 0)).to(device)
         return out.index_select(0, last)
@@ -168,7 +176,7 @@ class Drafter:
             pages = torch.from_numpy(step.page_table).long()
             committed = torch.from_numpy(step.cached_lens + step.q_lens - 1).long()
             roots = torch.from_numpy(step.token_ids[ends - 1]).long()
-            tree = draft_tree(self.draft, self.runner.model.embed_tokens,
+            tree = draft_tree(self.draft, self.embed,
                               self.draft_kv.layers[0], root_out, roots, pages, committed,
                               self.cfg, self.draft_kv.cfg.page_size, self._draft_step)
         with phase("verify"):

@@ -3,6 +3,11 @@
 The draft's weights are loaded before the KV cache is sized (so a GPU's free memory already
 accounts for them), and its KV shares the target's pages, so the builder sizes the page pool
 for both layouts together (``LoadedDraft.kv_layout``).
+
+``--speculative-draft-tp 1`` (the default) gives every rank the whole draft and a whole copy
+of the target's embedding table: every rank then drafts the same tree from the same inputs
+with no collective at all. A draft is a single small layer, so at TP > 1 the dozen allreduces
+of a sharded draft step cost far more than the duplicated arithmetic.
 """
 
 from __future__ import annotations
@@ -11,11 +16,14 @@ import logging
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
+from torch import nn
 
 from tpserve.engine.kv_cache import KVCache, KVCacheConfig, KVLayout
 from tpserve.engine.runner import ModelRunner
 from tpserve.errors import ConfigError
 from tpserve.layers.tp import TPContext
+from tpserve.layers.vocab import VocabParallelEmbedding
 from tpserve.models.config import ModelConfig, ModelConfigError
 from tpserve.models.eagle3 import (
     Eagle3Draft,
@@ -38,11 +46,22 @@ class LoadedDraft:
     kv_layout: KVLayout  # per token, on this rank (one layer)
 
 
+def draft_tp_context(draft_tp: int, tp: TPContext) -> TPContext:
+    """The draft's TP context: replicated (1) or sharded like the target (the TP size)."""
+    if draft_tp == 1:
+        return TPContext.single()
+    if draft_tp == tp.size:
+        return tp
+    raise ConfigError(f"--speculative-draft-tp must be 1 or the TP size ({tp.size}), "
+                      f"got {draft_tp}", "--speculative-draft-tp")
+
+
 def load_draft(cfg: SpecConfig, draft_path: str, target: ModelConfig, tp: TPContext,
                dtype: torch.dtype, device: torch.device, max_position: int,
                headroom: int) -> LoadedDraft:
     """Load the EAGLE-3 draft for ``target``; problems raise ConfigError.
 
+    ``tp``: the draft's own context (``draft_tp_context``).
     ``headroom``: positions the rotary tables reach past the context (tree nodes sit there).
     """
     if cfg.num_steps + 1 >= headroom:
@@ -69,4 +88,19 @@ def make_decoder(loaded: LoadedDraft, cfg: SpecConfig, runner: ModelRunner) -> S
     kv = runner.kv.cfg
     draft_kv = KVCache(KVCacheConfig(kv.num_pages, kv.page_size, loaded.kv_layout, kv.dtype),
                        runner.device)
-    return SpecDecoder(Drafter(runner, loaded.model, draft_kv, cfg, loaded.aux_layers))
+    embed = draft_embedding(runner.model.embed_tokens, loaded.model.tp)
+    return SpecDecoder(Drafter(runner, loaded.model, draft_kv, cfg, loaded.aux_layers, embed))
+
+
+def draft_embedding(target: VocabParallelEmbedding, draft_tp: TPContext) -> nn.Module:
+    """The embedding the draft reads: the target's own when the draft is sharded like it,
+    else a whole copy gathered once from every rank's vocab slice (no collective per step)."""
+    if draft_tp.size == target.tp.size:
+        return target
+    shard = target.weight.detach()
+    parts = [torch.empty_like(shard) for _ in range(target.tp.size)]
+    dist.all_gather(parts, shard.contiguous())
+    full = VocabParallelEmbedding(target.vocab, shard.shape[1], draft_tp, shard.dtype,
+                                  shard.device)
+    full.weight.data.copy_(torch.cat(parts)[: target.vocab])
+    return full.eval()

@@ -1,0 +1,59 @@
+"""Speculation against plain decoding on two live servers, in alternating rounds.
+
+``python -m launch.spec_vs_plain --plain URL --spec URL --concurrency 1,8 --rounds 5``
+runs, per round and concurrency, one batch on each server (the order flips every round so
+a slow moment of a shared machine hits both sides alike), then prints the median tok/s of
+each and the median of the per-round ratios, and writes JSON with ``--json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from typing import Any
+
+from tpserve.bench import DEFAULT_PROMPTS, run_batch
+
+
+def one_round(urls: dict[str, str], conc: int, tokens: int, flip: bool) -> dict[str, float]:
+    prompts = [DEFAULT_PROMPTS[k % len(DEFAULT_PROMPTS)] for k in range(conc)]
+    order = list(urls.items())[::-1] if flip else list(urls.items())
+    out = {}
+    for name, url in order:
+        run = run_batch(url, prompts, tokens, 0.0)
+        out[name] = run.tokens / run.seconds
+    return out
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    ap = argparse.ArgumentParser(prog="launch.spec_vs_plain", description=__doc__.split("\n")[0])
+    ap.add_argument("--plain", required=True, help="URL of the server without speculation")
+    ap.add_argument("--spec", required=True, help="URL of the speculative server")
+    ap.add_argument("--concurrency", default="1,8")
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--json")
+    args = ap.parse_args(argv)
+    urls = {"plain": args.plain.rstrip("/"), "spec": args.spec.rstrip("/")}
+    report: dict[str, Any] = {}
+    for conc in (int(c) for c in args.concurrency.split(",")):
+        for i in range(args.warmup):
+            one_round(urls, conc, args.max_tokens, i % 2 == 1)
+        rounds = [one_round(urls, conc, args.max_tokens, i % 2 == 1) for i in range(args.rounds)]
+        row = {"plain_tok_s": statistics.median(r["plain"] for r in rounds),
+               "spec_tok_s": statistics.median(r["spec"] for r in rounds),
+               "ratio_median": statistics.median(r["spec"] / r["plain"] for r in rounds),
+               "rounds": rounds}
+        report[str(conc)] = row
+        print(f"c={conc:3d}  plain {row['plain_tok_s']:8.1f} tok/s  spec {row['spec_tok_s']:8.1f}"
+              f" tok/s  spec/plain median of rounds {row['ratio_median']:.2f}x", flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=2)
+    return report
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,269 @@
+"""Adaptive speculation: per engine step, the setting with the highest predicted tok/s.
+
+Rank 0 owns the chooser; its choice reaches every rank as an ordinary ``ConfigChange``
+between two steps, so ranks never decide from timings they measured themselves.
+
+What is measured live, per batch-size bucket (powers of two) and setting: step time, the
+target forward inside it (decode or verify) and the draft phase; and, per bucket and
+branching factor, how often the draft is accepted at each depth. ``CostModel`` (the A/B harness's model) turns
+those into a prediction for settings not measured at a bucket yet: draft cost per depth, a
+verify line through the measured node counts (plain decode is the 1-node point), and the
+acceptance measured at that bucket, continued geometrically past the deepest depth seen.
+
+Three rules keep it honest and calm:
+- anchors (plain decoding, the launch setting, and the deepest chain when the launch setting
+  is a tree) are run for a few steps at each bucket before anything is predicted there;
+  a setting measured at a bucket is then judged by its own step time and the acceptance
+  model (per-step token counts swing far more than step times), an unmeasured one by the
+  cost model alone, and the stalest measured one is re-run for a step every
+  ``refresh_every`` steps so a noisy estimate cannot stick;
+- a challenger replaces the current setting only when predicted ``margin`` faster, and not
+  within ``hold_steps`` of the last switch (hysteresis: no flapping on noise); speculation
+  must also be predicted ``margin`` faster than plain decoding to be chosen at all;
+- candidates are only settings whose KV lookahead was reserved at launch, and when forwards
+  are captured or compiled per shape, only the captured shape (or plain decoding).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from tpserve.spec.cost_model import CostModel, fit_line, mean
+from tpserve.spec.verify import Accepted
+
+
+@dataclass(frozen=True, order=True)
+class Setting:
+    steps: int  # draft depth; 0 = plain decoding
+    topk: int
+    tokens: int  # verified nodes, root included
+
+    @property
+    def off(self) -> bool:
+        return self.steps == 0
+
+    @property
+    def label(self) -> str:
+        return "off" if self.off else f"{self.steps}/{self.topk}/{self.tokens}"
+
+
+OFF = Setting(0, 1, 1)
+
+
+@dataclass(frozen=True)
+class AdaptiveConfig:
+    margin: float = 0.05  # a challenger must be predicted this much faster
+    hold_steps: int = 16  # steps between two switches made on predictions
+    explore_steps: int = 3  # steps each anchor runs at a bucket before predictions there
+    refresh_every: int = 256  # steps at a bucket between one-step re-measurements of anchors
+    alpha: float = 0.2  # weight of a new measurement in the moving averages
+    accept_decay: float = 0.99  # per verified tree: acceptance follows the current traffic
+
+
+@dataclass
+class Ema:
+    value: float = 0.0
+    count: int = 0
+
+    def add(self, x: float, alpha: float) -> None:
+        self.value = x if self.count == 0 else (1 - alpha) * self.value + alpha * x
+        self.count += 1
+
+
+@dataclass
+class Costs:
+    """One setting's measurements at one batch bucket (milliseconds per step)."""
+
+    step_ms: Ema = field(default_factory=Ema)
+    forward_ms: Ema = field(default_factory=Ema)  # target decode or verify forward
+    draft_ms: Ema = field(default_factory=Ema)
+    tokens: Ema = field(default_factory=Ema)  # appended per step
+    requests: Ema = field(default_factory=Ema)  # batch size per step (a bucket spans several)
+    last_step: int = 0
+
+    @property
+    def tok_s(self) -> float:
+        # A ratio of means: a mean of per-step ratios would favour lucky fast steps.
+        return 1e3 * self.tokens.value / max(self.step_ms.value, 1e-6)
+
+
+@dataclass
+class Acceptance:
+    """Per depth d: decayed counts of trees that reached d accepted drafts (and so tried
+    draft d + 1) and of those that accepted it. Counting only trees that could reach a depth
+    keeps a shallow setting, run for a while, from dragging the deep rates to zero."""
+
+    tries: list[float] = field(default_factory=list)
+    hits: list[float] = field(default_factory=list)
+
+    def add(self, accepted: list[Accepted], depth: int, decay: float) -> None:
+        grow = max(0, depth - len(self.tries))
+        self.tries += [0.0] * grow
+        self.hits += [0.0] * grow
+        for acc in accepted:
+            drafts = len(acc.nodes) - 1
+            for d in range(min(depth, drafts + 1)):
+                self.tries[d] = self.tries[d] * decay + 1
+                self.hits[d] = self.hits[d] * decay + (1.0 if drafts > d else 0.0)
+
+    @property
+    def trees(self) -> float:
+        return self.tries[0] if self.tries else 0.0
+
+    def conditional(self) -> tuple[float, ...]:
+        """P(accept draft d + 1 | accepted d), up to the deepest depth ever tried."""
+        out = []
+        for tried, hit in zip(self.tries, self.hits, strict=True):
+            if tried <= 0:
+                break
+            out.append(hit / tried)
+        return tuple(out)
+
+
+def bucket_of(batch: int) -> int:
+    return 1 << max(0, batch - 1).bit_length()
+
+
+def candidates(launch: Setting, lookahead: int, shapes_fixed: bool) -> list[Setting]:
+    """Plain decoding, the launch setting, and every chain up to its depth that fits."""
+    if shapes_fixed:
+        return [OFF, launch]
+    chains = [Setting(d, 1, d + 1) for d in range(1, launch.steps + 1) if d + 1 <= lookahead]
+    return sorted({OFF, launch, *chains})
+
+
+class AdaptiveChooser:
+    def __init__(self, launch: Setting, allowed: list[Setting],
+                 cfg: AdaptiveConfig | None = None) -> None:
+        self.cfg = cfg or AdaptiveConfig()
+        self.launch, self.allowed = launch, allowed
+        deepest = Setting(launch.steps, 1, launch.steps + 1)
+        self.anchors = [OFF, launch] + ([deepest] if deepest in allowed and deepest != launch
+                                        else [])
+        self.costs: dict[int, dict[Setting, Costs]] = {}
+        # Acceptance per (bucket, topk): the requests in flight at one concurrency are not
+        # those at another, and how well a draft does depends a lot on the text.
+        self.accept: dict[tuple[int, int], Acceptance] = {}
+        self.current = launch
+        self.steps = 0
+        self.last_switch = 0
+        self.switches = 0
+        self.last_bucket = 1
+
+    # ---- measurements ----
+
+    def observe(self, setting: Setting, batch: int, step_ms: float, forward_ms: float,
+                draft_ms: float, tokens: int) -> None:
+        """One decode step that ran ``setting`` over ``batch`` requests."""
+        cost = self.costs.setdefault(bucket_of(batch), {}).setdefault(setting, Costs())
+        alpha = self.cfg.alpha
+        cost.step_ms.add(step_ms, alpha)
+        cost.forward_ms.add(forward_ms, alpha)
+        cost.draft_ms.add(draft_ms, alpha)
+        cost.tokens.add(float(tokens), alpha)
+        cost.requests.add(float(batch), alpha)
+        cost.last_step = self.steps
+
+    def observe_accepts(self, setting: Setting, accepted: list[Accepted]) -> None:
+        """The accepted paths of one speculative step (its batch is ``len(accepted)``)."""
+        key = (bucket_of(len(accepted)), setting.topk)
+        self.accept.setdefault(key, Acceptance()).add(accepted, setting.steps,
+                                                      self.cfg.accept_decay)
+
+    # ---- prediction ----
+
+    def model(self, bucket: int, topk: int) -> CostModel | None:
+        """The cost model at ``bucket`` for settings of branching ``topk``; None until plain
+        decoding and one setting of that branching were measured there."""
+        table = self.costs.get(bucket, {})
+        plain = table.get(OFF)
+        spec = {s: c for s, c in table.items() if not s.off and s.topk == topk}
+        acc = self.accept.get((bucket, topk))
+        if plain is None or not spec or acc is None or not acc.trees:
+            return None
+        points = [(1.0, plain.forward_ms.value)] + [(float(s.tokens), c.forward_ms.value)
+                                                    for s, c in table.items() if not s.off]
+        slope, intercept = fit_line(points)
+        return CostModel(
+            draft_ms_per_depth=mean([c.draft_ms.value / s.steps for s, c in spec.items()]),
+            verify_intercept_ms=intercept, verify_ms_per_node=slope,
+            overhead_ms=plain.step_ms.value - plain.forward_ms.value,
+            spec_overhead_ms=mean([c.step_ms.value - c.draft_ms.value - c.forward_ms.value
+                                    for c in spec.values()]),
+            conditional_rates=acc.conditional())
+
+    def predict(self, bucket: int, setting: Setting) -> float | None:
+        """Predicted tok/s of ``setting`` at ``bucket`` (None: not enough measurements)."""
+        # Each setting is judged at the batch sizes it was measured at (a bucket spans
+        # several; judging all at the bucket's top would favour whichever ran on fewer).
+        cost = self.costs.get(bucket, {}).get(setting)
+        if setting.off:
+            return 1e3 * cost.requests.value / cost.step_ms.value if cost is not None else None
+        model = self.model(bucket, setting.topk)
+        if model is None:
+            return None
+        if cost is not None:  # measured here: its own step time, the model's acceptance
+            return (1e3 * cost.requests.value * model.accept_length(setting.steps)
+                    / cost.step_ms.value)
+        seen = self.costs[bucket][OFF].requests.value  # model() needs plain measured here
+        return model.tok_s(setting.steps, setting.tokens, round(seen) or 1)
+
+    # ---- the choice ----
+
+    def choose(self, batch: int) -> Setting:
+        """The setting for the next decode step over ``batch`` requests."""
+        self.steps += 1
+        bucket = self.last_bucket = bucket_of(batch)
+        table = self.costs.get(bucket, {})
+        pick = self._explore(table)
+        if pick is None:
+            pick = self._exploit(bucket)
+        self.current = pick
+        return pick
+
+    def _explore(self, table: dict[Setting, Costs]) -> Setting | None:
+        """An anchor that still needs (re-)measuring at this bucket, else None."""
+        need = [a for a in self.anchors
+                if table.get(a) is None or table[a].step_ms.count < self.cfg.explore_steps]
+        if need:
+            return self.current if self.current in need else need[0]
+        # Every setting measured here is re-measured now and then (a noisy first measurement
+        # must not bury a setting for good), anchors included.
+        stale = min(table, key=lambda s: table[s].last_step)
+        if self.steps - table[stale].last_step > self.cfg.refresh_every:
+            return stale
+        return None
+
+    def _exploit(self, bucket: int) -> Setting:
+        preds = {s: p for s in self.allowed if (p := self.predict(bucket, s)) is not None}
+        if not preds:
+            return self.current
+        if OFF in preds:
+            # Speculation has to earn its place: it costs memory, draft work and a batch's
+            # mixing of prompt chunks, so near a tie plain decoding wins.
+            preds[OFF] *= 1 + self.cfg.margin
+        best = max(preds, key=lambda s: preds[s])
+        now = preds.get(self.current)
+        held = self.steps - self.last_switch >= self.cfg.hold_steps
+        if best == self.current or (now is not None and not held):
+            return self.current
+        if now is not None and preds[best] <= now * (1 + self.cfg.margin):
+            return self.current
+        self.last_switch = self.steps
+        self.switches += 1
+        return best
+
+    def snapshot(self) -> dict[str, Any]:
+        bucket = self.last_bucket
+        cur = self.costs.get(bucket, {}).get(self.current)
+        table = {str(b): {s.label: {"predicted_tok_s": self.predict(b, s),
+                                    "measured_tok_s": c.tok_s, "steps": c.step_ms.count,
+                                    "step_ms": c.step_ms.value}
+                          for s, c in sorted(row.items())}
+                 for b, row in sorted(self.costs.items())}
+        return {"choice": self.current.label, "batch_bucket": bucket,
+                "predicted_tok_s": self.predict(bucket, self.current),
+                "measured_tok_s": cur.tok_s if cur is not None else None,
+                "switches": self.switches, "candidates": [s.label for s in self.allowed],
+                "by_batch": table}
