@@ -26,8 +26,8 @@ from typing import Any
 import httpx
 
 from launch.ab_report import render_table, verdict, write_plot
-from launch.cost_model import Measurement, fit
 from tpserve.bench import DEFAULT_PROMPTS, run_batch
+from tpserve.spec.cost_model import Measurement, fit
 
 
 @dataclass(frozen=True)
