@@ -69,6 +69,10 @@ static uint64_t pool_wait(uint64_t seen) {
         if (g != seen || LOAD(&pool.stop)) return g;
         cpu_relax();
         if (spins % SPINS_PER_CLOCK) continue;
+        /* Now and then give the core away: torch's intra-op workers (attention, norms between
+         * projections) may be waiting for it, and on a machine with as many threads as cores
+         * a helper that only spins would halve their share. */
+        sched_yield();
         int64_t t = now_ns();
         if (!deadline) deadline = t + SPIN_NS;
         else if (t > deadline) break;

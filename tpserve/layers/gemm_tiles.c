@@ -149,13 +149,16 @@ static void f16_layout(const uint16_t *xh, int64_t k, float *x) {
             for (int j = 0; j < X; j++) a0[r][j] = a1[r][j] = vzero();                        \
         int64_t c = 0;                                                                        \
         for (; c + 2 * LANES <= k; c += 2 * LANES) {                                          \
+            vec w0[R], w1[R]; /* all R rows' weights first: each x vector is loaded once */   \
             for (int r = 0; r < R; r++) {                                                     \
-                vec w0, w1;                                                                   \
                 _mm_prefetch((const char *)(w + r * ldw + c) + PREFETCH_BYTES, _MM_HINT_T0);  \
-                FMT##_pair(w + r * ldw + c, &w0, &w1);                                        \
-                for (int j = 0; j < X; j++) {                                                 \
-                    a0[r][j] = vfma(w0, vload(x + j * ldxf + c), a0[r][j]);                   \
-                    a1[r][j] = vfma(w1, vload(x + j * ldxf + c + LANES), a1[r][j]);           \
+                FMT##_pair(w + r * ldw + c, &w0[r], &w1[r]);                                  \
+            }                                                                                 \
+            for (int j = 0; j < X; j++) {                                                     \
+                const vec x0 = vload(x + j * ldxf + c), x1 = vload(x + j * ldxf + c + LANES); \
+                for (int r = 0; r < R; r++) {                                                 \
+                    a0[r][j] = vfma(w0[r], x0, a0[r][j]);                                     \
+                    a1[r][j] = vfma(w1[r], x1, a1[r][j]);                                     \
                 }                                                                             \
             }                                                                                 \
         }                                                                                     \
