@@ -2,8 +2,8 @@
  *
  * CPU decode reads every weight once per step; at batch 1 a step is as fast as the weights
  * stream, and at batch 16-64 ATen's bf16 matmul (oneDNN) is not much faster than at batch 1 on
- * these shapes. Here the weight rows are cut into chunks that threads take in turn from an
- * atomic counter, so each thread streams a disjoint slice of W; inside a chunk, each block of x
+ * these shapes. Here the weight rows are cut into chunks that threads claim in turn
+ * (gemm_pool.c), so each thread streams a disjoint slice of W; inside a chunk, each block of x
  * rows passes over the chunk's weights (still in L1/L2 after the first block) with the
  * gemm_tiles.c tiles, which load every weight vector once for several x rows.
  *
@@ -34,8 +34,7 @@ typedef struct {
     int64_t m, rows, k;
     uint16_t *y;
     int64_t ldy;
-    int64_t chunk, chunks; /* weight rows per chunk (a multiple of ROWS), number of chunks */
-    int64_t next;          /* the next chunk to take (atomic) */
+    int64_t chunk; /* weight rows per chunk (a multiple of ROWS) */
     int bf16;
 } gemm_job;
 
@@ -73,17 +72,12 @@ typedef struct {
 DEFINE_CHUNK(bf16)
 DEFINE_CHUNK(f16)
 
-static void gemm_task(void *ctx, int thread) {
-    (void)thread;
-    gemm_job *job = (gemm_job *)ctx;
-    for (;;) {
-        const int64_t c = __atomic_fetch_add(&job->next, 1, __ATOMIC_RELAXED);
-        if (c >= job->chunks) return;
-        const int64_t r0 = c * job->chunk;
-        const int64_t r1 = r0 + job->chunk < job->rows ? r0 + job->chunk : job->rows;
-        if (job->bf16) chunk_bf16(job, r0, r1);
-        else chunk_f16(job, r0, r1);
-    }
+static void gemm_chunk(void *ctx, int64_t c) {
+    const gemm_job *job = (const gemm_job *)ctx;
+    const int64_t r0 = c * job->chunk;
+    const int64_t r1 = r0 + job->chunk < job->rows ? r0 + job->chunk : job->rows;
+    if (job->bf16) chunk_bf16(job, r0, r1);
+    else chunk_f16(job, r0, r1);
 }
 
 static int64_t chunk_rows(int64_t rows, int64_t k, int threads) {
@@ -91,6 +85,8 @@ static int64_t chunk_rows(int64_t rows, int64_t k, int threads) {
     int64_t by_balance = (rows + (int64_t)threads * CHUNKS_PER_THREAD - 1) /
                          ((int64_t)threads * CHUNKS_PER_THREAD);
     int64_t chunk = by_cache < by_balance ? by_cache : by_balance;
+    if (chunk < (rows + POOL_MAX_CHUNKS - 1) / POOL_MAX_CHUNKS)
+        chunk = (rows + POOL_MAX_CHUNKS - 1) / POOL_MAX_CHUNKS;
     chunk = (chunk + ROWS - 1) / ROWS * ROWS; /* whole 4-row tiles */
     return chunk > 0 ? chunk : ROWS;
 }
@@ -105,10 +101,8 @@ static int32_t gemm_run(int bf16, const uint16_t *w, int64_t ldw, const uint16_t
         if (bf16) bf16_layout(xh + i * ldx, k, x + i * k);
         else f16_layout(xh + i * ldx, k, x + i * k);
     }
-    gemm_job job = {w, ldw, x, m, rows, k, y, ldy, 0, 0, 0, bf16};
-    job.chunk = chunk_rows(rows, k, pool_threads());
-    job.chunks = (rows + job.chunk - 1) / job.chunk;
-    pool_run(gemm_task, &job);
+    gemm_job job = {w, ldw, x, m, rows, k, y, ldy, chunk_rows(rows, k, pool_threads()), bf16};
+    pool_run(gemm_chunk, &job, (rows + job.chunk - 1) / job.chunk);
     free(x);
     return 0;
 }

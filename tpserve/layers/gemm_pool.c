@@ -1,5 +1,5 @@
-/* A small persistent thread pool for gemm.c: the caller and `threads - 1` helper threads run
- * one function at a time.
+/* A small persistent thread pool for gemm.c: the caller and `threads - 1` helper threads share
+ * the chunks of one job at a time.
  *
  * Why its own and not torch's intra-op pool: a decode projection lasts 5-100 us, and handing
  * work to a sleeping thread costs about as much, so helpers spin for SPIN_NS after each job
@@ -7,6 +7,12 @@
  * condition variable. at::parallel_for would need this library built against torch's OpenMP
  * runtime, whose spin policy we do not control. The thread count is process state set by
  * gemm_set_threads (the server sets it beside torch.set_num_threads).
+ *
+ * Chunks are claimed one at a time from a single atomic word, and the caller waits only for
+ * chunks some thread has claimed, never for a helper to show up: on a machine with more
+ * runnable threads than cores a helper may not be scheduled for milliseconds, and waiting for
+ * it (a fork-join barrier, as torch's OpenMP pool does) made each projection that slow. A
+ * helper that wakes after the job is over finds nothing to claim.
  *
  * One job at a time: a second concurrent caller (another Python thread) runs its job alone on
  * its own thread rather than wait. After fork() the child has no helpers; they are started
@@ -29,7 +35,17 @@
 #define SPIN_NS 200000
 #define SPINS_PER_CLOCK 64
 
-typedef void (*pool_job_fn)(void *ctx, int thread);
+typedef void (*pool_chunk_fn)(void *ctx, int64_t chunk);
+
+/* The claim word: job tag (the low bits of its generation), chunk count, next chunk. One
+ * compare-and-swap claims a chunk of exactly that job, so a late helper can never take a chunk
+ * of the next job with the last one's parameters. */
+#define CHUNK_BITS 20
+#define POOL_MAX_CHUNKS ((int64_t)1 << CHUNK_BITS)
+#define CHUNK_MASK ((uint64_t)POOL_MAX_CHUNKS - 1)
+static inline uint64_t claim_word(uint64_t generation, int64_t chunks) {
+    return (generation << (2 * CHUNK_BITS)) | ((uint64_t)chunks << CHUNK_BITS);
+}
 
 typedef struct {
     pthread_mutex_t run;   /* held by the caller of the current job, and by pool_set_threads */
@@ -43,8 +59,9 @@ typedef struct {
     uint64_t generation; /* bumped once per job */
     int sleeping;        /* helpers waiting on `wake` */
     int stop;
-    int busy; /* helpers that have not yet finished the current job */
-    pool_job_fn fn;
+    uint64_t claim; /* claim_word(...) + chunks claimed so far */
+    int64_t done;   /* chunks finished */
+    pool_chunk_fn fn; /* the job: written before `claim` is, read after a chunk is claimed */
     void *ctx;
 } pool_state;
 
@@ -89,15 +106,32 @@ static uint64_t pool_wait(uint64_t seen) {
     return LOAD(&pool.generation);
 }
 
+/* Claims and runs chunks of job `generation` until none are left. A claimed chunk holds the
+ * job open (its caller waits for `done`), so fn and ctx read after the claim are that job's. */
+static void pool_drain(uint64_t generation) {
+    const uint64_t tag = generation & (UINT64_MAX >> (2 * CHUNK_BITS));
+    uint64_t v = LOAD(&pool.claim);
+    for (;;) {
+        const int64_t chunks = (int64_t)((v >> CHUNK_BITS) & CHUNK_MASK);
+        const int64_t next = (int64_t)(v & CHUNK_MASK);
+        if ((v >> (2 * CHUNK_BITS)) != tag || next >= chunks) return;
+        if (!__atomic_compare_exchange_n(&pool.claim, &v, v + 1, 0, __ATOMIC_SEQ_CST,
+                                         __ATOMIC_SEQ_CST))
+            continue; /* v now holds the current word */
+        pool.fn(pool.ctx, next);
+        __atomic_add_fetch(&pool.done, 1, __ATOMIC_SEQ_CST);
+        v = LOAD(&pool.claim);
+    }
+}
+
 static void *pool_helper(void *arg) {
-    const int thread = (int)(intptr_t)arg;
+    (void)arg;
     uint64_t seen = pool.start_generation; /* written before this thread was created */
     for (;;) {
         uint64_t g = pool_wait(seen);
         if (LOAD(&pool.stop)) return NULL;
         seen = g;
-        pool.fn(pool.ctx, thread);
-        __atomic_sub_fetch(&pool.busy, 1, __ATOMIC_SEQ_CST);
+        pool_drain(g);
     }
 }
 
@@ -108,7 +142,7 @@ static void pool_after_fork_in_child(void) {
     pthread_mutex_init(&pool.sleep, NULL);
     pthread_cond_init(&pool.wake, NULL);
     pool.started = 0;
-    pool.sleeping = pool.stop = pool.busy = 0;
+    pool.sleeping = pool.stop = 0;
 }
 
 static void pool_register_fork_handler(void) {
@@ -132,8 +166,7 @@ static void pool_start_helpers(void) {
     pthread_once(&pool_fork_once, pool_register_fork_handler);
     pool.start_generation = LOAD(&pool.generation);
     while (pool.started < pool.threads - 1) {
-        if (pthread_create(&pool.helpers[pool.started], NULL, pool_helper,
-                           (void *)(intptr_t)(pool.started + 1)) != 0)
+        if (pthread_create(&pool.helpers[pool.started], NULL, pool_helper, NULL) != 0)
             break;
         pool.started++;
     }
@@ -156,33 +189,35 @@ static int32_t pool_threads(void) {
     return threads > 0 ? threads : 1;
 }
 
-/* fn(ctx, t) on every thread t < threads (t = 0 is the caller); returns when all have
- * returned. fn must share the work itself (gemm.c hands out chunks from an atomic counter), so
- * that a late or missing helper only means the others do more. */
-static void pool_run(pool_job_fn fn, void *ctx) {
-    if (pthread_mutex_trylock(&pool.run) != 0) { /* another job is running: go alone */
-        fn(ctx, 0);
+/* fn(ctx, c) for every chunk c < chunks (at most POOL_MAX_CHUNKS), on the caller and whichever
+ * helpers come; returns when all have returned. */
+static void pool_run(pool_chunk_fn fn, void *ctx, int64_t chunks) {
+    if (chunks <= 1 || pthread_mutex_trylock(&pool.run) != 0) {
+        /* one chunk, or another job is running: go alone */
+        for (int64_t c = 0; c < chunks; c++) fn(ctx, c);
         return;
     }
     if (pool.threads > 1 && pool.started < pool.threads - 1) pool_start_helpers();
     if (pool.threads <= 1 || !pool.started) {
         pthread_mutex_unlock(&pool.run);
-        fn(ctx, 0);
+        for (int64_t c = 0; c < chunks; c++) fn(ctx, c);
         return;
     }
     pool.fn = fn;
     pool.ctx = ctx;
-    STORE(&pool.busy, pool.started);
-    __atomic_add_fetch(&pool.generation, 1, __ATOMIC_SEQ_CST);
+    STORE(&pool.done, 0);
+    const uint64_t generation = LOAD(&pool.generation) + 1;
+    STORE(&pool.claim, claim_word(generation, chunks));
+    STORE(&pool.generation, generation);
     if (LOAD(&pool.sleeping)) {
         pthread_mutex_lock(&pool.sleep);
         pthread_cond_broadcast(&pool.wake);
         pthread_mutex_unlock(&pool.sleep);
     }
-    fn(ctx, 0);
-    /* A helper that has not been scheduled yet still has to look in (and find no work left):
-     * yield the core to it rather than spin against it on a busy machine. */
-    for (int spins = 0; LOAD(&pool.busy); spins++) {
+    pool_drain(generation);
+    /* Every chunk is claimed; wait for those still running on helpers (yielding the core to
+     * them after a while, in case they share it with this thread). */
+    for (int spins = 0; LOAD(&pool.done) < chunks; spins++) {
         if (spins < 4096) cpu_relax();
         else sched_yield();
     }

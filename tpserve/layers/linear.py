@@ -18,7 +18,7 @@ from tpserve.layers.tp import TPContext, divide
 
 # Rows up to which a CPU projection goes through tpserve::matmul (gemm.c) rather than ATen.
 # @@MEASURED@@
-NATIVE_MATMUL_ROWS = 64
+NATIVE_MATMUL_ROWS = 16
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
