@@ -4,9 +4,7 @@
 step's projection set (q/k/v, o, gate/up, down of every layer; no lm_head) of two Llama shapes,
 bf16, for each row count M: the native op on ``--threads`` pool threads and ``F.linear`` on as
 many torch threads, alternating round by round (the machine is shared and noisy), then prints
-the medians and their ratio. The native side is ``tpserve::gemm`` (gemm.c at any row count);
-used to pick ``kNativeRowsPerThread`` in tpserve/layers/cpu_ops.cpp, the limit above which
-``tpserve::matmul`` hands rows to ATen.
+the medians and their ratio. Used to pick ``NATIVE_MATMUL_ROWS`` in tpserve/layers/linear.py.
 """
 
 from __future__ import annotations
@@ -54,7 +52,7 @@ def bench(shape: Shape, rows: int, rounds: int, reps: int) -> tuple[float, float
     weights = shape.weights(torch.bfloat16)
     gen = torch.Generator().manual_seed(1)
     xs = {k: torch.randn(rows, k, generator=gen).bfloat16() for k in {w.shape[1] for w in weights}}
-    native = torch.ops.tpserve.gemm
+    native = torch.ops.tpserve.matmul
     for fn in (native, F.linear):  # warm-up: first-touch, oneDNN primitive caches
         _step(fn, weights, xs)
     times: dict[str, list[float]] = {"native": [], "aten": []}

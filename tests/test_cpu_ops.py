@@ -1,11 +1,10 @@
 """tpserve's dispatcher ops (tpserve/layers/cpu_ops.cpp + gemm.c) against references.
 
-- ``tpserve::gemm(x, w)`` (x @ w^T) with 16-bit weights runs our kernel on its thread pool:
+- ``tpserve::matmul(x, w)`` (x @ w^T) with 16-bit weights runs our kernel on its thread pool:
   within one ulp of the float64 product (fp32 accumulation, one rounding), NaN / inf /
   subnormals kept, any row count, column tail and row stride; and an output gets the same
   bits whatever other rows are in the call and however many threads run it (plain decode and
-  a verify batch must agree, as must eager and compiled decode). ``tpserve::matmul``, what
-  linear() calls, is that kernel up to 8 rows per pool thread and ATen beyond.
+  a verify batch must agree, as must eager and compiled decode).
 - Everywhere else (fp32 weights, ``TPSERVE_NATIVE_GEMM=0``) it is what ran before, bit for
   bit: ``torch.mv`` for one row, ``F.linear`` for more.
 - ``tpserve::mean_square`` of contiguous fp32 CPU rows (up to 64 rows, or any number on one
@@ -86,7 +85,7 @@ def test_within_one_ulp_of_float64(dtype: torch.dtype, out: int, cols: int, m: i
     gen = torch.Generator().manual_seed(out * 10000 + cols * 10 + m)
     w = torch.randn(out, cols, generator=gen).to(dtype)
     x = torch.randn(m, cols, generator=gen).to(dtype)
-    y = torch.ops.tpserve.gemm(x, w)
+    y = torch.ops.tpserve.matmul(x, w)
     assert y.dtype == dtype and y.shape == (m, out)
     assert ((y.double() - x.double() @ w.double().T).abs() <= _bound(x, w)).all()
 
@@ -96,15 +95,15 @@ def test_a_row_gets_the_same_bits_in_any_call(dtype: torch.dtype) -> None:
     gen = torch.Generator().manual_seed(7)
     w = torch.randn(37, 515, generator=gen).to(dtype)
     x = torch.randn(17, 515, generator=gen).to(dtype)
-    full = torch.ops.tpserve.gemm(x, w)
+    full = torch.ops.tpserve.matmul(x, w)
     for i in range(17):  # x rows alone vs in a batch of 17 (blocks of 4, 4, 4, 4, 1)
-        assert torch.equal(torch.ops.tpserve.gemm(x[i:i + 1], w), full[i:i + 1])
+        assert torch.equal(torch.ops.tpserve.matmul(x[i:i + 1], w), full[i:i + 1])
     for i, n in [(0, 2), (1, 3), (5, 5), (3, 9)]:  # blocks of 2 and 3 rows, other groupings
-        assert torch.equal(torch.ops.tpserve.gemm(x[i:i + n], w), full[i:i + n])
+        assert torch.equal(torch.ops.tpserve.matmul(x[i:i + n], w), full[i:i + n])
     for start in range(37):  # weight rows in 4-row and 2-row tiles vs alone
         for size in (1, 2, 3, 5):
             for rows in (1, 3, 4):
-                part = torch.ops.tpserve.gemm(x[:rows], w[start:start + size])
+                part = torch.ops.tpserve.matmul(x[:rows], w[start:start + size])
                 assert torch.equal(part, full[:rows, start:start + size])
 
 
@@ -117,11 +116,11 @@ def test_any_thread_count_gives_the_same_bits(dtype: torch.dtype, m: int) -> Non
     gen = torch.Generator().manual_seed(m)
     w = torch.randn(1037, 700, generator=gen).to(dtype)  # many chunks, odd sizes
     x = torch.randn(m, 700, generator=gen).to(dtype)
-    one = torch.ops.tpserve.gemm(x, w)
+    one = torch.ops.tpserve.matmul(x, w)
     for threads in (2, 3, 4):
         cpu_ops.set_matmul_threads(threads)
         for _ in range(3):
-            assert torch.equal(torch.ops.tpserve.gemm(x, w), one)
+            assert torch.equal(torch.ops.tpserve.matmul(x, w), one)
     assert ((one.double() - x.double() @ w.double().T).abs() <= _bound(x, w)).all()
 
 
@@ -133,10 +132,10 @@ def test_the_pool_is_shared_by_python_threads() -> None:
     gen = torch.Generator().manual_seed(21)
     w = torch.randn(800, 256, generator=gen).bfloat16()
     xs = [torch.randn(3, 256, generator=gen).bfloat16() for _ in range(8)]
-    expect = [torch.ops.tpserve.gemm(x, w) for x in xs]
+    expect = [torch.ops.tpserve.matmul(x, w) for x in xs]
     with ThreadPoolExecutor(4) as ex:
         for _ in range(5):
-            got = list(ex.map(lambda x: torch.ops.tpserve.gemm(x, w), xs))
+            got = list(ex.map(lambda x: torch.ops.tpserve.matmul(x, w), xs))
             assert all(torch.equal(g, e) for g, e in zip(got, expect, strict=True))
 
 
@@ -146,8 +145,8 @@ def test_strided_rows() -> None:
     w = big[3:30, 100:612]  # row stride 700, offset storage
     xs = torch.randn(5, 600, generator=gen).bfloat16()
     x = xs[:, 50:562]
-    expect = torch.ops.tpserve.gemm(x.contiguous(), w.contiguous())
-    assert torch.equal(torch.ops.tpserve.gemm(x, w), expect)
+    expect = torch.ops.tpserve.matmul(x.contiguous(), w.contiguous())
+    assert torch.equal(torch.ops.tpserve.matmul(x, w), expect)
 
 
 def test_special_values() -> None:
@@ -161,7 +160,7 @@ def test_special_values() -> None:
     w[4, :] = 0
     w[4, 1] = sub
     w[5, 2], w[5, 3] = float("inf"), float("-inf")
-    y = torch.ops.tpserve.gemm(x, w)[0].float()
+    y = torch.ops.tpserve.matmul(x, w)[0].float()
     assert torch.isnan(y[0]) and y[1] == float("inf") and y[2] == float("-inf")
     assert y[3] == 0 and y[4] == torch.tensor(sub, dtype=torch.bfloat16).float()
     assert torch.isnan(y[5])
@@ -171,7 +170,7 @@ def test_rounding_is_nearest_even() -> None:
     # 1 + 2^-8 lies halfway between the bf16 values 1 and 1 + 2^-7: the tie goes to the even
     # mantissa, 1. 1 + 3 * 2^-8 lies halfway between 1 + 2^-7 and 1 + 2^-6: it goes to 1 + 2^-6.
     w = torch.tensor([[1.0, 2.0 ** -8], [1.0, 3 * 2.0 ** -8]], dtype=torch.bfloat16)
-    y = torch.ops.tpserve.gemm(torch.ones(1, 2, dtype=torch.bfloat16), w)
+    y = torch.ops.tpserve.matmul(torch.ones(1, 2, dtype=torch.bfloat16), w)
     assert y[0].tolist() == [1.0, 1.0 + 2.0 ** -6]
 
 
@@ -181,7 +180,7 @@ def test_outside_the_kernel_it_is_aten(m: int) -> None:
     w = torch.randn(300, 517, generator=gen)  # fp32 weights: no native path
     x = torch.randn(m, 517, generator=gen)
     expect = torch.mv(w, x[0])[None] if m == 1 else torch.nn.functional.linear(x, w)
-    assert torch.equal(torch.ops.tpserve.gemm(x, w), expect)
+    assert torch.equal(torch.ops.tpserve.matmul(x, w), expect)
 
 
 def test_mean_square_within_an_ulp_of_float64_on_any_thread_count() -> None:
@@ -222,7 +221,6 @@ w = torch.randn(33, 129).bfloat16(); x = torch.randn(3, 129).bfloat16()
 assert torch.equal(torch.ops.tpserve.matmul(x[:1], w), torch.mv(w, x[0])[None])
 assert torch.equal(torch.ops.tpserve.matmul(x, w), torch.nn.functional.linear(x, w))
 assert torch.equal(linear(x, w), torch.nn.functional.linear(x, w))
-assert torch.equal(torch.ops.tpserve.gemm(x, w), torch.nn.functional.linear(x, w))
 x32 = torch.randn(3, 77)
 assert torch.allclose(torch.ops.tpserve.mean_square(x32), x32.pow(2).mean(-1, keepdim=True),
                       rtol=1e-6, atol=0)
@@ -248,13 +246,13 @@ from tpserve.layers import cpu_ops
 cpu_ops.load()
 cpu_ops.set_matmul_threads(2)
 w = torch.randn(999, 300).bfloat16(); x = torch.randn(5, 300).bfloat16()
-y = torch.ops.tpserve.gemm(x, w)  # the parent's helper thread is running now
+y = torch.ops.tpserve.matmul(x, w)  # the parent's helper thread is running now
 pid = os.fork()
 if pid == 0:  # the child has no helpers: they start again, and the bits are the same
-    os._exit(0 if torch.equal(torch.ops.tpserve.gemm(x, w), y) else 1)
+    os._exit(0 if torch.equal(torch.ops.tpserve.matmul(x, w), y) else 1)
 _, status = os.waitpid(pid, 0)
 assert os.waitstatus_to_exitcode(status) == 0
-assert torch.equal(torch.ops.tpserve.gemm(x, w), y)
+assert torch.equal(torch.ops.tpserve.matmul(x, w), y)
 print("ok")
 """
 
@@ -265,25 +263,17 @@ def test_the_pool_survives_fork() -> None:
     assert out.returncode == 0 and out.stdout.split()[-1:] == ["ok"], out.stderr
 
 
-@pytest.mark.parametrize("threads", [1, 2])
-def test_matmul_sends_rows_past_the_limit_to_aten(threads: int) -> None:
-    """tpserve::matmul (what linear() calls on CPU) is gemm.c up to 8 rows per pool thread,
-    ATen beyond: that is where ATen's (AMX) matmul is faster (cpu_ops.cpp)."""
-    from tpserve.layers.linear import linear
+def test_linear_routes_cpu_rows_through_the_op() -> None:
+    from tpserve.layers.linear import NATIVE_MATMUL_ROWS, linear
 
-    cpu_ops.set_matmul_threads(threads)
-    limit = 8 * threads
     gen = torch.Generator().manual_seed(17)
     w = torch.randn(70, 200, generator=gen).bfloat16()
     bias = torch.randn(70, generator=gen).bfloat16()
-    for m in (1, limit, limit + 1, 100):
+    for m in (1, NATIVE_MATMUL_ROWS, NATIVE_MATMUL_ROWS + 1):
         x = torch.randn(m, 200, generator=gen).bfloat16()
-        expect = (torch.ops.tpserve.gemm(x, w) if m <= limit
-                  else torch.nn.functional.linear(x, w))
-        assert torch.equal(torch.ops.tpserve.matmul(x, w), expect)
-        assert torch.equal(linear(x, w, bias), expect + bias)
-    x3 = torch.randn(2, 3, 200, generator=gen).bfloat16()  # not 2-D: F.linear
-    assert torch.equal(linear(x3, w, bias), torch.nn.functional.linear(x3, w, bias))
+        expect = (torch.ops.tpserve.matmul(x, w) + bias if m <= NATIVE_MATMUL_ROWS
+                  else torch.nn.functional.linear(x, w, bias))
+        assert torch.equal(linear(x, w, bias), expect)
 
 
 def _ctypes_gemm(lib: ctypes.CDLL, dtype: torch.dtype):  # type: ignore[no-untyped-def]

@@ -4,12 +4,10 @@
 // a step (33 projections, 17 norms on the 8-layer bench model), and a Python-defined op costs
 // 17-29 us of dispatch per call against ~4 us here, i.e. ~1 ms of a ~10 ms step.
 //
-// tpserve::matmul(x [M, I], weight [O, I]) -> x @ weight^T [M, O]: every CPU projection
-//   (linear.py). 16-bit CPU weights with up to kNativeRowsPerThread rows per pool thread go
-//   through gemm.c on its own thread pool (tpserve::set_matmul_threads); anything else is ATen:
-//   at::mv for one row, at::linear for more.
-// tpserve::gemm(x, weight): the same without the row limit (gemm.c for any M): what the
-//   tests and launch/bench_gemm.py measure the kernel through.
+// tpserve::matmul(x [M, I], weight [O, I]) -> x @ weight^T [M, O]: CPU projections (decode,
+//   speculative verify, mixed batches; linear.py sends up to NATIVE_MATMUL_ROWS rows). 16-bit
+//   CPU weights go through gemm.c on its own thread pool (tpserve::set_matmul_threads); anything
+//   else is ATen: at::mv for one row, at::linear for more.
 // tpserve::set_matmul_threads(n) -> n: threads of gemm.c's pool, caller included, for the
 //   process (the server sets it beside torch.set_num_threads); tpserve::matmul_threads() reads it.
 // tpserve::mean_square(x) -> mean(x^2) over the last dim, keepdim: RMSNorm's reduction. For
@@ -47,17 +45,6 @@ bool native_enabled() {
     return enabled;
 }
 
-// Rows per gemm.c thread up to which it beats ATen's bf16 matmul, which on AMX CPUs (this
-// Xeon) is oneDNN's AMX kernel: compute-bound shapes are its, weight-streaming ones ours.
-// launch/bench_gemm.py on the 2-vCPU CI-like Xeon (shared, noisy), ms per decode step's
-// projections, native vs F.linear, same threads for both. 1 thread: hidden 512 x 8 layers
-// (54 MB) M=1 5.3 vs 13.1, M=8 14.3 vs 14.1, M=16 23.4 vs 13.2; hidden 2048 x 2 layers (205 MB)
-// M=1 28.8 vs 32.3, M=8 53 vs 39, M=16 114 vs 49. 2 threads: hidden 512 M=1 10 vs 39, M=4 11
-// vs 19, M=16 29 vs 29-186, M=32 128 vs 152; hidden 2048 M=4 35 vs 42, M=16 100 vs 49-88.
-// Whole decode (launch/bench_decode.py, batch 16, 2 threads): native up to 16 rows 84-97
-// tok/s, up to 8 rows 47-52, ATen 44-54. So 8 rows a thread: 8 on one thread, 16 on two.
-constexpr int64_t kNativeRowsPerThread = 8;
-
 bool native_fits(const at::Tensor &x, const at::Tensor &w) {
     auto dt = w.scalar_type();
     return native_enabled() && (dt == at::kBFloat16 || dt == at::kHalf) && x.scalar_type() == dt &&
@@ -65,13 +52,7 @@ bool native_fits(const at::Tensor &x, const at::Tensor &w) {
            x.size(1) == w.size(1) && w.stride(1) == 1 && x.stride(1) == 1;
 }
 
-at::Tensor aten_matmul(const at::Tensor &x, const at::Tensor &weight) {
-    if (x.dim() == 2 && x.size(0) == 1 && weight.dim() == 2)
-        return at::mv(weight, x[0]).unsqueeze(0);
-    return at::linear(x, weight);
-}
-
-at::Tensor gemm(const at::Tensor &x, const at::Tensor &weight) {
+at::Tensor matmul(const at::Tensor &x, const at::Tensor &weight) {
 #if LANES
     if (native_fits(x, weight)) {
         const int64_t m = x.size(0), rows = weight.size(0), cols = weight.size(1);
@@ -87,13 +68,8 @@ at::Tensor gemm(const at::Tensor &x, const at::Tensor &weight) {
         return y;
     }
 #endif
-    return aten_matmul(x, weight);
-}
-
-at::Tensor matmul(const at::Tensor &x, const at::Tensor &weight) {
-    if (x.dim() == 2 && x.size(0) > kNativeRowsPerThread * gemm_threads())
-        return aten_matmul(x, weight);
-    return gemm(x, weight);
+    if (x.dim() == 2 && x.size(0) == 1) return at::mv(weight, x[0]).unsqueeze(0);
+    return at::linear(x, weight);
 }
 
 constexpr int kPartials = 8;
@@ -145,7 +121,6 @@ int64_t matmul_threads() { return gemm_threads(); }
 
 TORCH_LIBRARY(tpserve, m) {
     m.def("matmul(Tensor x, Tensor weight) -> Tensor");
-    m.def("gemm(Tensor x, Tensor weight) -> Tensor");
     m.def("mean_square(Tensor x) -> Tensor");
     m.def("gemm_lanes() -> int", &gemm_vector_lanes);
     m.def("set_matmul_threads(int threads) -> int", &set_matmul_threads);
@@ -154,6 +129,5 @@ TORCH_LIBRARY(tpserve, m) {
 
 TORCH_LIBRARY_IMPL(tpserve, CompositeExplicitAutograd, m) {
     m.impl("matmul", &matmul);
-    m.impl("gemm", &gemm);
     m.impl("mean_square", &mean_square);
 }

@@ -1,4 +1,4 @@
-"""tpserve's opaque ops (``tpserve::matmul``, ``tpserve::mean_square``...): C++ where it builds.
+"""tpserve's opaque ops (``tpserve::matmul``, ``tpserve::mean_square``): C++ where it builds.
 
 What the ops do and why they are opaque: ``cpu_ops.cpp``. This module makes sure they exist
 before a model runs or is traced:
@@ -61,20 +61,18 @@ def _load_cpp() -> str:
 
 
 def _aten_matmul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    return torch.mv(weight, x[0])[None] if x.dim() == 2 and x.shape[0] == 1 else F.linear(x, weight)
+    return torch.mv(weight, x[0])[None] if x.shape[0] == 1 else F.linear(x, weight)
 
 
 def _define_python_ops() -> torch.library.Library:
     """The fallback: the same schemas, implemented with the ATen ops eager would call."""
     lib = torch.library.Library("tpserve", "DEF")
     lib.define("matmul(Tensor x, Tensor weight) -> Tensor")
-    lib.define("gemm(Tensor x, Tensor weight) -> Tensor")
     lib.define("mean_square(Tensor x) -> Tensor")
     lib.define("gemm_lanes() -> int")
     lib.define("set_matmul_threads(int threads) -> int")
     lib.define("matmul_threads() -> int")
     lib.impl("matmul", _aten_matmul, "CompositeExplicitAutograd")
-    lib.impl("gemm", _aten_matmul, "CompositeExplicitAutograd")
     lib.impl("mean_square", lambda x: x.pow(2).mean(-1, keepdim=True), "CompositeExplicitAutograd")
     lib.impl("gemm_lanes", lambda: 0, "CompositeExplicitAutograd")
     lib.impl("set_matmul_threads", lambda threads: 1, "CompositeExplicitAutograd")
@@ -82,13 +80,10 @@ def _define_python_ops() -> torch.library.Library:
     return lib
 
 
-def _matmul_shape(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    return x.new_empty(x.shape[0], weight.shape[0])
-
-
 def _register_fakes() -> None:
-    for name in ("tpserve::matmul", "tpserve::gemm"):
-        torch.library.register_fake(name)(_matmul_shape)
+    @torch.library.register_fake("tpserve::matmul")
+    def _(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return x.new_empty(x.shape[0], weight.shape[0])
 
     @torch.library.register_fake("tpserve::mean_square")
     def _(x: torch.Tensor) -> torch.Tensor:

@@ -16,21 +16,25 @@ from torch import nn
 from tpserve.layers import cpu_ops
 from tpserve.layers.tp import TPContext, divide
 
+# Rows up to which a CPU projection goes through tpserve::matmul (gemm.c) rather than ATen.
+# @@MEASURED@@
+NATIVE_MATMUL_ROWS = 16
+
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
            ) -> torch.Tensor:
-    """``F.linear``, but CPU projections go through ``tpserve::matmul`` (``cpu_ops``).
+    """``F.linear``, but CPU projections of up to ``NATIVE_MATMUL_ROWS`` rows (decode,
+    speculative verify, mixed decode + prefill steps) go through ``tpserve::matmul``
+    (``cpu_ops``).
 
-    Decode, speculative verify and mixed decode + prefill steps of a few rows do little but
-    stream the weights, and ATen's CPU matmul streams bf16 weights at a fraction of the rate of
-    our kernel, which splits the weight rows across its own threads and reads each weight once
-    per block of rows. The op itself sends the rows to ATen where ATen is faster (more than 8
-    rows per pool thread, measured: ``cpu_ops.cpp``). It is opaque to inductor, so compiled
-    decode rounds exactly like eager; and an output's arithmetic does not depend on the other
-    rows in the call or the thread count, so a token's logits are the same in plain decode and
-    in a verify batch.
+    Those steps do little but stream the weights, and ATen's CPU matmul (a oneDNN gemm) streams
+    bf16 weights at a fraction of our kernel's rate, which splits the weight rows across its
+    own threads and reads each weight once per block of rows. The op is opaque to inductor, so
+    compiled decode rounds exactly like eager; and each output's arithmetic does not depend on
+    the other rows in the call or the thread count, so a token's logits are the same in plain
+    decode and in a verify batch.
     """
-    if x.dim() != 2 or x.device.type != "cpu":
+    if x.dim() != 2 or x.shape[0] > NATIVE_MATMUL_ROWS or x.device.type != "cpu":
         return F.linear(x, weight, bias)
     y = torch.ops.tpserve.matmul(x, weight)
     return y if bias is None else y + bias
