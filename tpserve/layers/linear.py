@@ -16,9 +16,19 @@ from torch import nn
 from tpserve.layers import cpu_ops
 from tpserve.layers.tp import TPContext, divide
 
-# Rows up to which a CPU projection goes through tpserve::matmul (gemm.c) rather than ATen.
-# @@MEASURED@@
-NATIVE_MATMUL_ROWS = 16
+# Rows up to which a CPU projection goes through tpserve::matmul (gemm.c) rather than ATen,
+# whose bf16 matmul on AMX CPUs (this Xeon) is oneDNN's AMX kernel: compute-bound shapes are
+# its, weight-streaming ones ours. launch/bench_gemm.py on the 2-vCPU CI-like Xeon (shared,
+# noisy), ms per decode step's projections, native vs F.linear on as many threads.
+#   2 threads, hidden 512 x 8 layers (54 MB): M=1 9.7 vs 26.4, 4: 10.0 vs 16.9, 8: 14.1 vs 22.8,
+#     16: 25.7 vs 19.1; hidden 2048 x 2 layers (205 MB): 1: 24.4 vs 49.9, 4: 28.4 vs 40.0,
+#     8: 43.6 vs 42.2, 16: 106 vs 48.
+#   1 thread, hidden 512: M=1 5.3 vs 13.1, 8: 14.3 vs 14.1, 16: 23.4 vs 13.2; hidden 2048:
+#     1: 28.8 vs 32.3, 8: 53 vs 39, 16: 114 vs 49.
+# Whole decode, launch/bench_decode.py batch 16 on 2 threads with the machine quiet: ATen at
+# 16 rows 795-933 tok/s, native 377. More threads do not move the crossover (ATen gains as
+# much), so it is a row count, not rows per thread.
+NATIVE_MATMUL_ROWS = 8
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
