@@ -97,13 +97,16 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--no-transformers", action="store_true",
+                    help="only tpserve (e.g. to compare TPSERVE_NATIVE_GEMM=0 runs)")
     ap.add_argument("--json")
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     path = make_checkpoint(Path(tempfile.mkdtemp()) / "llama-512x8")
     ours, nbytes = tpserve_decode(path, args.batch, args.tokens)
-    theirs = transformers_decode(path, args.batch, args.tokens)
+    theirs = float("nan") if args.no_transformers else transformers_decode(path, args.batch,
+                                                                            args.tokens)
     bw = read_bandwidth_gbs()
     limit = bw * 1e9 / nbytes * args.batch
     result = {"batch": args.batch, "tpserve_tok_s": ours, "transformers_tok_s": theirs,

@@ -45,6 +45,7 @@ from tpserve.engine.static_setup import (
     install_static,
 )
 from tpserve.errors import ConfigError
+from tpserve.layers import cpu_ops
 from tpserve.layers.tp import TPContext
 from tpserve.loader import resolve_dtype
 from tpserve.model_path import resolve_args
@@ -105,7 +106,10 @@ def build_engine(args: ServerArgs, on_stage: StageHook = _no_hook) -> BuiltEngin
     args = resolve_args(with_demo_defaults(args))
     spec_cfg = spec_config_from_args(args)  # bad speculative flags fail before loading
     info = rank_info(args.device)
-    torch.set_num_threads(cpu_threads_per_rank(info.local_world_size, args.cpu_threads))
+    threads = cpu_threads_per_rank(info.local_world_size, args.cpu_threads)
+    torch.set_num_threads(threads)
+    if info.device.type == "cpu":  # CPU projections run on gemm.c's pool: the same share
+        cpu_ops.set_matmul_threads(threads)
     with stage("resolving model", on_stage):
         model_dir = Path(args.model) if args.model else demo_target()
         cfg = _load_config(model_dir)

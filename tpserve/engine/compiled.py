@@ -14,7 +14,7 @@ TP = 1; at TP > 1 each allreduce is a graph break that runs eagerly between comp
 Outputs must not change. Inductor keeps every op that rounds where eager rounds
 (``emulate_precision_casts``), does not fold "residual + x @ W" into one addmm
 (``pattern_matcher`` off), and reductions whose order matters run as opaque ops that eager
-calls too (``tpserve::mean_square`` in RMSNorm, ``tpserve::small_matmul`` for projections,
+calls too (``tpserve::mean_square`` in RMSNorm, ``tpserve::matmul`` for CPU projections,
 ``tpserve::paged_attention``), so only pointwise chains are fused. Tests and
 launch/bench_compile.py check greedy tokens are identical to eager (bf16 included).
 """

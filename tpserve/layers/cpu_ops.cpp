@@ -4,11 +4,12 @@
 // a step (33 projections, 17 norms on the 8-layer bench model), and a Python-defined op costs
 // 17-29 us of dispatch per call against ~4 us here, i.e. ~1 ms of a ~10 ms step.
 //
-// tpserve::small_matmul(x [M, I], weight [O, I]) -> x @ weight^T [M, O]: projections of a few
-//   rows (batch-1 decode, speculative verify of a few tokens). 16-bit CPU weights on one
-//   intra-op thread go through gemv.c, which reads the weights once for up to 8 rows (1 row:
-//   twice ATen's bf16 mv rate; 4 rows: 1.6x oneDNN's linear); anything else is what tpserve
-//   ran before: at::mv for one row, at::linear for more.
+// tpserve::matmul(x [M, I], weight [O, I]) -> x @ weight^T [M, O]: CPU projections (decode,
+//   speculative verify, mixed batches; linear.py sends up to NATIVE_MATMUL_ROWS rows). 16-bit
+//   CPU weights go through gemm.c on its own thread pool (tpserve::set_matmul_threads); anything
+//   else is ATen: at::mv for one row, at::linear for more.
+// tpserve::set_matmul_threads(n) -> n: threads of gemm.c's pool, caller included, for the
+//   process (the server sets it beside torch.set_num_threads); tpserve::matmul_threads() reads it.
 // tpserve::mean_square(x) -> mean(x^2) over the last dim, keepdim: RMSNorm's reduction. For
 //   contiguous CPU fp32 rows it is one pass here (8 fp64 partial sums in a fixed order, then
 //   one rounding: within an ulp of the exact value), ~1 us for a 512-wide row where ATen's
@@ -17,7 +18,7 @@
 //   compiled decode bit-equal to eager.
 //
 // Both are opaque to inductor, so compiled decode rounds exactly like eager (which calls the
-// same ops). TPSERVE_NATIVE_GEMV=0 (read once, at load) keeps ATen for every projection.
+// same ops). TPSERVE_NATIVE_GEMM=0 (read once, at load) keeps ATen for every projection.
 #include <ATen/core/Tensor.h>
 #include <ATen/Parallel.h>
 #include <ATen/ops/empty.h>
@@ -31,14 +32,14 @@
 #include <stdexcept>
 
 extern "C" {
-#include "gemv.c"
+#include "gemm.c"
 }
 
 namespace {
 
 bool native_enabled() {
     static const bool enabled = [] {
-        const char *v = std::getenv("TPSERVE_NATIVE_GEMV");
+        const char *v = std::getenv("TPSERVE_NATIVE_GEMM");
         return LANES > 0 && !(v && std::strcmp(v, "0") == 0);
     }();
     return enabled;
@@ -48,12 +49,10 @@ bool native_fits(const at::Tensor &x, const at::Tensor &w) {
     auto dt = w.scalar_type();
     return native_enabled() && (dt == at::kBFloat16 || dt == at::kHalf) && x.scalar_type() == dt &&
            w.device().is_cpu() && x.device().is_cpu() && w.dim() == 2 && x.dim() == 2 &&
-           x.size(1) == w.size(1) && w.stride(1) == 1 && x.stride(1) == 1 &&
-           // Single-threaded kernel: with more threads ATen's parallel kernels are faster.
-           at::get_num_threads() == 1;
+           x.size(1) == w.size(1) && w.stride(1) == 1 && x.stride(1) == 1;
 }
 
-at::Tensor small_matmul(const at::Tensor &x, const at::Tensor &weight) {
+at::Tensor matmul(const at::Tensor &x, const at::Tensor &weight) {
 #if LANES
     if (native_fits(x, weight)) {
         const int64_t m = x.size(0), rows = weight.size(0), cols = weight.size(1);
@@ -110,17 +109,25 @@ at::Tensor mean_square(const at::Tensor &x) {
     return out;
 }
 
-int64_t gemv_vector_lanes() { return native_enabled() ? LANES : 0; }
+int64_t gemm_vector_lanes() { return native_enabled() ? LANES : 0; }
+
+int64_t set_matmul_threads(int64_t threads) {
+    return gemm_set_threads(static_cast<int32_t>(std::clamp<int64_t>(threads, 1, POOL_MAX_THREADS)));
+}
+
+int64_t matmul_threads() { return gemm_threads(); }
 
 }  // namespace
 
 TORCH_LIBRARY(tpserve, m) {
-    m.def("small_matmul(Tensor x, Tensor weight) -> Tensor");
+    m.def("matmul(Tensor x, Tensor weight) -> Tensor");
     m.def("mean_square(Tensor x) -> Tensor");
-    m.def("gemv_lanes() -> int", &gemv_vector_lanes);
+    m.def("gemm_lanes() -> int", &gemm_vector_lanes);
+    m.def("set_matmul_threads(int threads) -> int", &set_matmul_threads);
+    m.def("matmul_threads() -> int", &matmul_threads);
 }
 
 TORCH_LIBRARY_IMPL(tpserve, CompositeExplicitAutograd, m) {
-    m.impl("small_matmul", &small_matmul);
+    m.impl("matmul", &matmul);
     m.impl("mean_square", &mean_square);
 }

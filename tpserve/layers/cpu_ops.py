@@ -1,14 +1,15 @@
-"""tpserve's opaque ops (``tpserve::small_matmul``, ``tpserve::mean_square``): C++ where it builds.
+"""tpserve's opaque ops (``tpserve::matmul``, ``tpserve::mean_square``): C++ where it builds.
 
 What the ops do and why they are opaque: ``cpu_ops.cpp``. This module makes sure they exist
 before a model runs or is traced:
 
-1. ``cpu_ops.cpp`` (which includes ``gemv.c``) is built with the host C++ compiler against the
+1. ``cpu_ops.cpp`` (which includes ``gemm.c``: tiles, thread pool) is built with the host C++ compiler against the
    installed torch's headers at first use (~8 s once, then cached by ``native_build``) and
    loaded into the dispatcher. A call then costs ~3 us.
 2. Where that fails (no C++ compiler, no headers, ``TPSERVE_CPU_OPS=0``), the same ops are
    defined in Python over ATen (``torch.mv`` / ``F.linear``, pow + mean): ~20 us of dispatch
-   per call, and the reason is logged once.
+   per call, and the reason is logged once. There is no thread pool then:
+   ``set_matmul_threads`` answers 1.
 
 Either way the fake (shape) functions that torch.compile needs are registered here, and eager
 and compiled decode call the same op, so they round the same.
@@ -31,7 +32,7 @@ from comm_backends.native_build import FLAGS, NativeBuildError, build, compiler
 log = logging.getLogger(__name__)
 
 _SOURCE = Path(__file__).with_name("cpu_ops.cpp")
-_DEPENDS = (Path(__file__).with_name("gemv.c"),)
+_DEPENDS = tuple(Path(__file__).with_name(n) for n in ("gemm.c", "gemm_tiles.c", "gemm_pool.c"))
 
 
 def _cxx_flags() -> list[str]:
@@ -59,24 +60,28 @@ def _load_cpp() -> str:
     return ""
 
 
-def _aten_small_matmul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+def _aten_matmul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return torch.mv(weight, x[0])[None] if x.shape[0] == 1 else F.linear(x, weight)
 
 
 def _define_python_ops() -> torch.library.Library:
     """The fallback: the same schemas, implemented with the ATen ops eager would call."""
     lib = torch.library.Library("tpserve", "DEF")
-    lib.define("small_matmul(Tensor x, Tensor weight) -> Tensor")
+    lib.define("matmul(Tensor x, Tensor weight) -> Tensor")
     lib.define("mean_square(Tensor x) -> Tensor")
-    lib.define("gemv_lanes() -> int")
-    lib.impl("small_matmul", _aten_small_matmul, "CompositeExplicitAutograd")
+    lib.define("gemm_lanes() -> int")
+    lib.define("set_matmul_threads(int threads) -> int")
+    lib.define("matmul_threads() -> int")
+    lib.impl("matmul", _aten_matmul, "CompositeExplicitAutograd")
     lib.impl("mean_square", lambda x: x.pow(2).mean(-1, keepdim=True), "CompositeExplicitAutograd")
-    lib.impl("gemv_lanes", lambda: 0, "CompositeExplicitAutograd")
+    lib.impl("gemm_lanes", lambda: 0, "CompositeExplicitAutograd")
+    lib.impl("set_matmul_threads", lambda threads: 1, "CompositeExplicitAutograd")
+    lib.impl("matmul_threads", lambda: 1, "CompositeExplicitAutograd")
     return lib
 
 
 def _register_fakes() -> None:
-    @torch.library.register_fake("tpserve::small_matmul")
+    @torch.library.register_fake("tpserve::matmul")
     def _(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return x.new_empty(x.shape[0], weight.shape[0])
 
@@ -105,3 +110,10 @@ def load() -> LoadedOps:
         library = _define_python_ops()
     _register_fakes()
     return LoadedOps("python" if reason else "c++", reason, library)
+
+
+def set_matmul_threads(threads: int) -> int:
+    """Threads (caller included) of ``tpserve::matmul``'s pool for this process; returns the
+    count in effect (1 with the Python fallback, which has no pool)."""
+    load()
+    return int(torch.ops.tpserve.set_matmul_threads(threads))

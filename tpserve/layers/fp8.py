@@ -107,7 +107,7 @@ def fp8_linear_cpu(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, block:
                    ) -> torch.Tensor:
     """Up to one block height of rows (decode, verify): ``_scaled_input_matmul``; more rows
     (prefill): dequantise bands of whole row blocks (~``SCRATCH_ELEMENTS``) and multiply."""
-    cpu_ops.load()  # linear() may call tpserve::small_matmul (cached after the first call)
+    cpu_ops.load()  # linear() may call tpserve::matmul (cached after the first call)
     out_features, in_features = q.shape
     x2 = x.reshape(-1, in_features)
     if x2.shape[0] <= block[0]:

@@ -16,32 +16,43 @@ from torch import nn
 from tpserve.layers import cpu_ops
 from tpserve.layers.tp import TPContext, divide
 
-# Rows up to which a CPU projection goes through tpserve::small_matmul. Measured, one thread,
-# bf16, the 33 projections of launch/bench_compile.py's model, ms (kernel vs F.linear): 1 row
-# 5.0 vs 10.9 (torch.mv 7.3), 2 rows 4.7 vs 10.4, 4 rows 6.8 vs 11.2, 8 rows 9.7 vs 10.8,
-# 16 rows 19.1 vs 11.6: past 8 rows oneDNN's blocked gemm wins.
-SMALL_MATMUL_ROWS = 8
+# Rows up to which a CPU projection goes through tpserve::matmul (gemm.c) rather than ATen,
+# whose bf16 matmul on AMX CPUs (this Xeon) is oneDNN's AMX kernel: compute-bound shapes are
+# its, weight-streaming ones ours. launch/bench_gemm.py on the 2-vCPU CI-like Xeon (shared,
+# noisy), ms per decode step's projections, native vs F.linear on as many threads.
+#   2 threads, hidden 512 x 8 layers (54 MB): M=1 9.7 vs 26.4, 4: 10.0 vs 16.9, 8: 14.1 vs 22.8,
+#     16: 25.7 vs 19.1; hidden 2048 x 2 layers (205 MB): 1: 24.4 vs 49.9, 4: 28.4 vs 40.0,
+#     8: 43.6 vs 42.2, 16: 106 vs 48.
+#   1 thread, hidden 512: M=1 5.3 vs 13.1, 8: 14.3 vs 14.1, 16: 23.4 vs 13.2; hidden 2048:
+#     1: 28.8 vs 32.3, 8: 53 vs 39, 16: 114 vs 49.
+# Whole decode, launch/bench_decode.py batch 16 on 2 threads with the machine quiet: ATen at
+# 16 rows 795-933 tok/s, native 377. More threads do not move the crossover (ATen gains as
+# much), so it is a row count, not rows per thread.
+NATIVE_MATMUL_ROWS = 8
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
            ) -> torch.Tensor:
-    """``F.linear``, but a few CPU rows (batch-1 decode, speculative verify) go through
-    ``tpserve::small_matmul`` (``cpu_ops``).
+    """``F.linear``, but CPU projections of up to ``NATIVE_MATMUL_ROWS`` rows (decode,
+    speculative verify, mixed decode + prefill steps) go through ``tpserve::matmul``
+    (``cpu_ops``).
 
-    Those steps do little but stream the weights, and for a few rows ATen's CPU matmul (a
-    oneDNN gemm) streams bf16 weights at half the rate of our kernel, which reads them once for
-    up to 8 rows. The op is opaque to inductor, so compiled decode rounds exactly like eager;
-    and each output row's arithmetic does not depend on the other rows in the call, so a
-    token's logits are the same in plain decode and in a verify batch.
+    Those steps do little but stream the weights, and ATen's CPU matmul (a oneDNN gemm) streams
+    bf16 weights at a fraction of our kernel's rate, which splits the weight rows across its
+    own threads and reads each weight once per block of rows. The op is opaque to inductor, so
+    compiled decode rounds exactly like eager; and each output's arithmetic does not depend on
+    the other rows in the call or the thread count, so a token's logits are the same in plain
+    decode and in a verify batch.
     """
-    if x.dim() != 2 or x.shape[0] > SMALL_MATMUL_ROWS or x.device.type != "cpu":
+    if x.dim() != 2 or x.shape[0] > NATIVE_MATMUL_ROWS or x.device.type != "cpu":
         return F.linear(x, weight, bias)
-    y = torch.ops.tpserve.small_matmul(x, weight)
+    y = torch.ops.tpserve.matmul(x, weight)
     return y if bias is None else y + bias
 
 
 def _param(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> nn.Parameter:
-    cpu_ops.load()  # every layer with weights may call tpserve ops: define them first
+    if torch.device(device).type == "cpu":
+        cpu_ops.load()  # linear() calls tpserve::matmul on CPU: define the ops first
     # torch.empty: real weights come from the checkpoint; random init would only cost time.
     return nn.Parameter(torch.empty(shape, dtype=dtype, device=device), requires_grad=False)
 

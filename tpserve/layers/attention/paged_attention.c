@@ -20,7 +20,7 @@
  * Per chunk: scores (one fp32 vector accumulator per row and key over head_dim, the chunk's
  * accumulators summed by one transpose-and-add tree), online softmax in fp32 (running max,
  * rescale on a new max, vector exp), then acc[row] += p * v. bf16 keys/values are widened with
- * the shift/and trick of gemv.c (even and odd elements of 2*LANES in two vectors); q and the
+ * the shift/and trick of gemm_tiles.c (even and odd elements of 2*LANES in two vectors); q and the
  * accumulators use the same order inside each 2*LANES block, so head_dim must be a multiple of
  * 2*LANES. Written as C that is also C++ (cpu_attention.cpp includes it); the tests also build
  * it alone (ctypes), with -mno-avx512f for the AVX2 path.

@@ -1,11 +1,11 @@
-/* Y = X W^T for a few rows of X and 16-bit weights W, accumulating in fp32.
+/* The arithmetic of gemm.c: tiles of Y = X W^T for 16-bit W, accumulating in fp32.
  *
- * Batch-1 decode and speculative verify on CPU are little but this: every weight is read once
- * per step, so a step is as fast as the weights stream. On one thread ATen's bf16 `mv` streams
- * decode-shaped weights at 7-11 GB/s on the CI-like Xeon, where a plain read runs at ~20; this
- * loop reaches 18-19 (see ROWS below), and reads W once for up to XMAX rows of X.
- * cpu_ops.cpp includes this file (the torch op); the tests also build it alone with the host
- * C compiler (ctypes) to check the AVX2 path.
+ * Decode on CPU is little but this: every weight is read once per step, so a step is as fast
+ * as the weights stream. On one thread ATen's bf16 `mv` streams decode-shaped weights at
+ * 7-11 GB/s on the CI-like Xeon, where a plain read runs at ~20; the one-row tile reaches 18-19
+ * (see ROWS below), and the several-row tiles load each weight vector once for several x rows.
+ * gemm.c includes this file (and cpu_ops.cpp gemm.c); the tests also build gemm.c alone with
+ * the host C compiler (ctypes) to check the AVX2 path.
  *
  * Arithmetic, fixed so that every caller (eager and compiled decode, any tile) gets the same bits
  * for an output: x is widened to fp32 once; columns go in blocks of 2 x LANES, in order, each
@@ -149,13 +149,16 @@ static void f16_layout(const uint16_t *xh, int64_t k, float *x) {
             for (int j = 0; j < X; j++) a0[r][j] = a1[r][j] = vzero();                        \
         int64_t c = 0;                                                                        \
         for (; c + 2 * LANES <= k; c += 2 * LANES) {                                          \
+            vec w0[R], w1[R]; /* all R rows' weights first: each x vector is loaded once */   \
             for (int r = 0; r < R; r++) {                                                     \
-                vec w0, w1;                                                                   \
                 _mm_prefetch((const char *)(w + r * ldw + c) + PREFETCH_BYTES, _MM_HINT_T0);  \
-                FMT##_pair(w + r * ldw + c, &w0, &w1);                                        \
-                for (int j = 0; j < X; j++) {                                                 \
-                    a0[r][j] = vfma(w0, vload(x + j * ldxf + c), a0[r][j]);                   \
-                    a1[r][j] = vfma(w1, vload(x + j * ldxf + c + LANES), a1[r][j]);           \
+                FMT##_pair(w + r * ldw + c, &w0[r], &w1[r]);                                  \
+            }                                                                                 \
+            for (int j = 0; j < X; j++) {                                                     \
+                const vec x0 = vload(x + j * ldxf + c), x1 = vload(x + j * ldxf + c + LANES); \
+                for (int r = 0; r < R; r++) {                                                 \
+                    a0[r][j] = vfma(w0[r], x0, a0[r][j]);                                     \
+                    a1[r][j] = vfma(w1[r], x1, a1[r][j]);                                     \
                 }                                                                             \
             }                                                                                 \
         }                                                                                     \
@@ -168,9 +171,13 @@ static void f16_layout(const uint16_t *xh, int64_t k, float *x) {
             }                                                                                 \
     }
 
-/* One x row: ROWS weight rows per tile (4 load streams), then single rows. Several x rows: one
- * weight row per tile against up to XMAX of them (2 x XMAX accumulators in registers). */
+/* The tiles gemm.c uses. One x row: ROWS weight rows (4 load streams). Several x rows: pairs of
+ * weight rows against up to XPAIR x rows (2 x 2 x XPAIR accumulators: 16 of the 32 AVX-512
+ * registers at XPAIR = 4), and single weight rows against up to XMAX x rows for an odd row out
+ * or a longer block. */
 #define XMAX 8
+#define XPAIR 4
+typedef void (*tile_fn)(const uint16_t *, int64_t, const float *, int64_t, int64_t, float *);
 #define DEFINE_TILES(FMT)                                                                     \
     DEFINE_TILE(FMT, 4, 1) /* ROWS x 1 */                                                     \
     DEFINE_TILE(FMT, 1, 1)                                                                    \
@@ -181,43 +188,14 @@ static void f16_layout(const uint16_t *xh, int64_t k, float *x) {
     DEFINE_TILE(FMT, 1, 6)                                                                    \
     DEFINE_TILE(FMT, 1, 7)                                                                    \
     DEFINE_TILE(FMT, 1, 8)                                                                    \
-    typedef void (*tile_fn_##FMT)(const uint16_t *, int64_t, const float *, int64_t, int64_t, \
-                                  float *);                                                   \
-    static const tile_fn_##FMT row_tiles_##FMT[XMAX + 1] = {                                  \
+    DEFINE_TILE(FMT, 2, 2)                                                                    \
+    DEFINE_TILE(FMT, 2, 3)                                                                    \
+    DEFINE_TILE(FMT, 2, 4)                                                                    \
+    static const tile_fn one_row_tiles_##FMT[XMAX + 1] = {                                    \
         0, tile_##FMT##_1_1, tile_##FMT##_1_2, tile_##FMT##_1_3, tile_##FMT##_1_4,            \
-        tile_##FMT##_1_5, tile_##FMT##_1_6, tile_##FMT##_1_7, tile_##FMT##_1_8};
+        tile_##FMT##_1_5, tile_##FMT##_1_6, tile_##FMT##_1_7, tile_##FMT##_1_8};              \
+    static const tile_fn two_row_tiles_##FMT[XPAIR + 1] = {                                   \
+        0, 0, tile_##FMT##_2_2, tile_##FMT##_2_3, tile_##FMT##_2_4};
 DEFINE_TILES(bf16)
 DEFINE_TILES(f16)
-
-/* Y[i, r] = sum_c W[r, c] * X[i, c] for i < m, r < rows: W rows `ldw` elements apart, X rows
- * `ldx`, Y rows `ldy`. Returns 0, or -1 when the fp32 copy of X cannot be allocated. */
-#define DEFINE_GEMM(FMT)                                                                      \
-    int32_t gemm_##FMT(const uint16_t *w, int64_t ldw, const uint16_t *xh, int64_t ldx,       \
-                       int64_t m, int64_t rows, int64_t k, uint16_t *y, int64_t ldy) {        \
-        float *x = (float *)malloc((size_t)(m * k > 0 ? m * k : 1) * sizeof(float));          \
-        if (!x) return -1;                                                                    \
-        for (int64_t i = 0; i < m; i++) FMT##_layout(xh + i * ldx, k, x + i * k);             \
-        float sums[ROWS * XMAX];                                                              \
-        for (int64_t i0 = 0; i0 < m; i0 += XMAX) {                                            \
-            const int xs = m - i0 < XMAX ? (int)(m - i0) : XMAX;                              \
-            const float *xb = x + i0 * k;                                                     \
-            int64_t r = 0;                                                                    \
-            if (xs == 1)                                                                      \
-                for (; r + ROWS <= rows; r += ROWS) {                                         \
-                    tile_##FMT##_4_1(w + r * ldw, ldw, xb, k, k, sums);                       \
-                    for (int q = 0; q < ROWS; q++) y[i0 * ldy + r + q] = f32_to_##FMT(sums[q]); \
-                }                                                                             \
-            for (; r < rows; r++) {                                                           \
-                row_tiles_##FMT[xs](w + r * ldw, ldw, xb, k, k, sums);                        \
-                for (int j = 0; j < xs; j++) y[(i0 + j) * ldy + r] = f32_to_##FMT(sums[j]);   \
-            }                                                                                 \
-        }                                                                                     \
-        free(x);                                                                              \
-        return 0;                                                                             \
-    }
-DEFINE_GEMM(bf16)
-DEFINE_GEMM(f16)
 #endif
-
-/* Lanes per vector step in this build: 0 means no vector path (the caller keeps ATen). */
-int32_t gemv_lanes(void) { return LANES; }

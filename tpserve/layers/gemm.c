@@ -1,0 +1,144 @@
+/* Y = X W^T for 16-bit weights W [rows, k] and X [m, k], on gemm_pool.c's threads.
+ *
+ * CPU decode reads every weight once per step; at batch 1 a step is as fast as the weights
+ * stream, and at batch 16-64 ATen's bf16 matmul (oneDNN) is not much faster than at batch 1 on
+ * these shapes. Here the weight rows are cut into chunks that threads claim in turn
+ * (gemm_pool.c), so each thread streams a disjoint slice of W; inside a chunk, each block of x
+ * rows passes over the chunk's weights (still in L1/L2 after the first block) with the
+ * gemm_tiles.c tiles, which load every weight vector once for several x rows.
+ *
+ * Bits: each output is one gemm_tiles.c sum (fixed order, one rounding), whatever the chunk,
+ * tile or thread that computes it: eager and compiled decode, any batch and any thread count
+ * agree.
+ *
+ * cpu_ops.cpp includes this file (the torch op tpserve::matmul); the tests also build it alone
+ * with ctypes (e.g. -mno-avx512f for the AVX2 path).
+ */
+#include "gemm_tiles.c"
+#include "gemm_pool.c"
+
+/* Bytes of weights per chunk: small enough to stay in L1/L2 while every x block passes over
+ * it, large enough that the atomic hand-out is noise. And at least CHUNKS_PER_THREAD chunks a
+ * thread, so a thread that starts late (or shares its core) leaves the rest to the others. */
+#define CHUNK_BYTES 32768
+#define CHUNKS_PER_THREAD 4
+/* x rows per pass over a chunk: blocks of XPAIR use the 2-row tiles. One thread, hot
+ * weights, 16 rows (tools-only C loop, GFLOP/s): k = 512: 2 x 4 tiles 78, 1 x 8 86; k = 2048
+ * (a 4-row fp32 x block is 32 KB, 8 rows overflow L1): 2 x 4 46, 1 x 8 32. */
+#ifndef XBLOCK
+#define XBLOCK XPAIR
+#endif
+
+#if LANES
+typedef struct {
+    const uint16_t *w;
+    int64_t ldw;
+    const float *x; /* m rows of the fp32 layout, k apart */
+    int64_t m, rows, k;
+    uint16_t *y;
+    int64_t ldy;
+    int64_t chunk; /* weight rows per chunk (a multiple of ROWS) */
+    int bf16;
+} gemm_job;
+
+/* Rows [r0, r1) of W against every row of x, XBLOCK x rows at a time (4 weight rows per tile
+ * for a lone x row). */
+#define DEFINE_CHUNK(FMT)                                                                     \
+    static void chunk_##FMT(const gemm_job *job, int64_t r0, int64_t r1) {                     \
+        const int64_t k = job->k, ldw = job->ldw, ldy = job->ldy;                              \
+        float sums[ROWS * XMAX];                                                              \
+        for (int64_t i0 = 0; i0 < job->m;) {                                                  \
+            const int64_t left = job->m - i0;                                                 \
+            const int xs = left == 1 ? 1 : left < XBLOCK ? (int)left : XBLOCK;                \
+            const float *xb = job->x + i0 * k;                                                \
+            uint16_t *yb = job->y + i0 * ldy;                                                 \
+            int64_t r = r0;                                                                   \
+            if (xs == 1)                                                                      \
+                for (; r + ROWS <= r1; r += ROWS) {                                           \
+                    tile_##FMT##_4_1(job->w + r * ldw, ldw, xb, k, k, sums);                  \
+                    for (int q = 0; q < ROWS; q++) yb[r + q] = f32_to_##FMT(sums[q]);         \
+                }                                                                             \
+            else if (xs <= XPAIR)                                                             \
+                for (; r + 2 <= r1; r += 2) {                                                 \
+                    two_row_tiles_##FMT[xs](job->w + r * ldw, ldw, xb, k, k, sums);           \
+                    for (int j = 0; j < xs; j++) {                                            \
+                        yb[j * ldy + r] = f32_to_##FMT(sums[j * 2]);                          \
+                        yb[j * ldy + r + 1] = f32_to_##FMT(sums[j * 2 + 1]);                  \
+                    }                                                                         \
+                }                                                                             \
+            for (; r < r1; r++) {                                                             \
+                one_row_tiles_##FMT[xs](job->w + r * ldw, ldw, xb, k, k, sums);               \
+                for (int j = 0; j < xs; j++) yb[j * ldy + r] = f32_to_##FMT(sums[j]);         \
+            }                                                                                 \
+            i0 += xs;                                                                         \
+        }                                                                                     \
+    }
+DEFINE_CHUNK(bf16)
+DEFINE_CHUNK(f16)
+
+static void gemm_chunk(void *ctx, int64_t c) {
+    const gemm_job *job = (const gemm_job *)ctx;
+    const int64_t r0 = c * job->chunk;
+    const int64_t r1 = r0 + job->chunk < job->rows ? r0 + job->chunk : job->rows;
+    if (job->bf16) chunk_bf16(job, r0, r1);
+    else chunk_f16(job, r0, r1);
+}
+
+static int64_t chunk_rows(int64_t rows, int64_t k, int threads) {
+    int64_t by_cache = CHUNK_BYTES / (2 * (k > 0 ? k : 1));
+    int64_t by_balance = (rows + (int64_t)threads * CHUNKS_PER_THREAD - 1) /
+                         ((int64_t)threads * CHUNKS_PER_THREAD);
+    int64_t chunk = by_cache < by_balance ? by_cache : by_balance;
+    if (chunk < (rows + POOL_MAX_CHUNKS - 1) / POOL_MAX_CHUNKS)
+        chunk = (rows + POOL_MAX_CHUNKS - 1) / POOL_MAX_CHUNKS;
+    chunk = (chunk + ROWS - 1) / ROWS * ROWS; /* whole 4-row tiles */
+    return chunk > 0 ? chunk : ROWS;
+}
+
+static int32_t gemm_run(int bf16, const uint16_t *w, int64_t ldw, const uint16_t *xh,
+                        int64_t ldx, int64_t m, int64_t rows, int64_t k, uint16_t *y,
+                        int64_t ldy) {
+    if (m <= 0 || rows <= 0) return 0;
+    float *x = (float *)malloc((size_t)(m * k > 0 ? m * k : 1) * sizeof(float));
+    if (!x) return -1;
+    for (int64_t i = 0; i < m; i++) {
+        if (bf16) bf16_layout(xh + i * ldx, k, x + i * k);
+        else f16_layout(xh + i * ldx, k, x + i * k);
+    }
+    gemm_job job = {w, ldw, x, m, rows, k, y, ldy, chunk_rows(rows, k, pool_threads()), bf16};
+    pool_run(gemm_chunk, &job, (rows + job.chunk - 1) / job.chunk);
+    free(x);
+    return 0;
+}
+#endif
+
+/* Y[i, r] = sum_c W[r, c] * X[i, c] for i < m, r < rows: W rows `ldw` elements apart, X rows
+ * `ldx`, Y rows `ldy`. Returns 0, or -1 when the fp32 copy of X cannot be allocated (or, with
+ * no vector path in this build, always -1: the caller keeps ATen). */
+int32_t gemm_bf16(const uint16_t *w, int64_t ldw, const uint16_t *x, int64_t ldx, int64_t m,
+                  int64_t rows, int64_t k, uint16_t *y, int64_t ldy) {
+#if LANES
+    return gemm_run(1, w, ldw, x, ldx, m, rows, k, y, ldy);
+#else
+    (void)w, (void)ldw, (void)x, (void)ldx, (void)m, (void)rows, (void)k, (void)y, (void)ldy;
+    return -1;
+#endif
+}
+
+int32_t gemm_f16(const uint16_t *w, int64_t ldw, const uint16_t *x, int64_t ldx, int64_t m,
+                 int64_t rows, int64_t k, uint16_t *y, int64_t ldy) {
+#if LANES
+    return gemm_run(0, w, ldw, x, ldx, m, rows, k, y, ldy);
+#else
+    (void)w, (void)ldw, (void)x, (void)ldx, (void)m, (void)rows, (void)k, (void)y, (void)ldy;
+    return -1;
+#endif
+}
+
+/* Threads for every later call in this process (caller included); returns the count set. */
+int32_t gemm_set_threads(int32_t threads) { return pool_set_threads(threads); }
+
+int32_t gemm_threads(void) { return pool_threads(); }
+
+/* Lanes per vector step in this build: 0 means no vector path (the caller keeps ATen). */
+int32_t gemm_lanes(void) { return LANES; }
