@@ -264,14 +264,15 @@ def test_the_pool_survives_fork() -> None:
 
 
 def test_linear_routes_cpu_rows_through_the_op() -> None:
-    from tpserve.layers.linear import NATIVE_MATMUL_ROWS, linear
+    from tpserve.layers.linear import linear, native_matmul_rows
 
     gen = torch.Generator().manual_seed(17)
     w = torch.randn(70, 200, generator=gen).bfloat16()
     bias = torch.randn(70, generator=gen).bfloat16()
-    for m in (1, NATIVE_MATMUL_ROWS, NATIVE_MATMUL_ROWS + 1):
+    rows = min(native_matmul_rows(), 64)  # AVX2 CPUs: the kernel at any M
+    for m in (1, rows, rows + 1):
         x = torch.randn(m, 200, generator=gen).bfloat16()
-        expect = (torch.ops.tpserve.matmul(x, w) + bias if m <= NATIVE_MATMUL_ROWS
+        expect = (torch.ops.tpserve.matmul(x, w) + bias if m <= native_matmul_rows()
                   else torch.nn.functional.linear(x, w, bias))
         assert torch.equal(linear(x, w, bias), expect)
 
@@ -310,3 +311,25 @@ def test_avx2_build_within_one_ulp_on_any_thread_count(dtype: torch.dtype) -> No
         fn(w.data_ptr(), cols, x[-1:].contiguous().data_ptr(), cols, 1, rows, cols, y1.data_ptr(), rows)
         assert torch.equal(y1, ys[0][-1:])
     lib.gemm_set_threads(1)
+
+
+@pytest.mark.parametrize("amx,bf16,isa,rows", [
+    (True, True, None, 8), (False, True, None, 16), (False, False, None, sys.maxsize),
+    (True, True, "AVX512_CORE_BF16", 16), (True, True, "AVX2", sys.maxsize),
+    (True, True, "AVX512_CORE_AMX", 8),
+])
+def test_native_rows_follow_the_matmul_isa(monkeypatch: pytest.MonkeyPatch, amx: bool,
+                                           bf16: bool, isa: str | None, rows: int) -> None:
+    from tpserve.layers import linear as linear_mod
+
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx)
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: bf16)
+    if isa is None:
+        monkeypatch.delenv("ONEDNN_MAX_CPU_ISA", raising=False)
+    else:
+        monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", isa)
+    linear_mod.native_matmul_rows.cache_clear()
+    try:
+        assert linear_mod.native_matmul_rows() == rows
+    finally:
+        linear_mod.native_matmul_rows.cache_clear()

@@ -5,7 +5,7 @@
 // 17-29 us of dispatch per call against ~4 us here, i.e. ~1 ms of a ~10 ms step.
 //
 // tpserve::matmul(x [M, I], weight [O, I]) -> x @ weight^T [M, O]: CPU projections (decode,
-//   speculative verify, mixed batches; linear.py sends up to NATIVE_MATMUL_ROWS rows). 16-bit
+//   speculative verify, mixed batches; linear.py sends up to native_matmul_rows() rows). 16-bit
 //   CPU weights go through gemm.c on its own thread pool (tpserve::set_matmul_threads); anything
 //   else is ATen: at::mv for one row, at::linear for more.
 // tpserve::set_matmul_threads(n) -> n: threads of gemm.c's pool, caller included, for the

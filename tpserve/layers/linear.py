@@ -7,6 +7,9 @@ materialises a full weight on a rank.
 
 from __future__ import annotations
 
+import os
+import sys
+from functools import cache
 from typing import Any
 
 import torch
@@ -16,24 +19,38 @@ from torch import nn
 from tpserve.layers import cpu_ops
 from tpserve.layers.tp import TPContext, divide
 
-# Rows up to which a CPU projection goes through tpserve::matmul (gemm.c) rather than ATen,
-# whose bf16 matmul on AMX CPUs (this Xeon) is oneDNN's AMX kernel: compute-bound shapes are
-# its, weight-streaming ones ours. launch/bench_gemm.py on the 2-vCPU CI-like Xeon (shared,
-# noisy), ms per decode step's projections, native vs F.linear on as many threads.
-#   2 threads, hidden 512 x 8 layers (54 MB): M=1 9.7 vs 26.4, 4: 10.0 vs 16.9, 8: 14.1 vs 22.8,
-#     16: 25.7 vs 19.1; hidden 2048 x 2 layers (205 MB): 1: 24.4 vs 49.9, 4: 28.4 vs 40.0,
-#     8: 43.6 vs 42.2, 16: 106 vs 48.
-#   1 thread, hidden 512: M=1 5.3 vs 13.1, 8: 14.3 vs 14.1, 16: 23.4 vs 13.2; hidden 2048:
-#     1: 28.8 vs 32.3, 8: 53 vs 39, 16: 114 vs 49.
-# Whole decode, launch/bench_decode.py batch 16 on 2 threads with the machine quiet: ATen at
-# 16 rows 795-933 tok/s, native 377. More threads do not move the crossover (ATen gains as
-# much), so it is a row count, not rows per thread.
-NATIVE_MATMUL_ROWS = 8
+# Rows up to which a CPU projection goes through tpserve::matmul (gemm.c) rather than ATen.
+# ATen's bf16 matmul is a oneDNN gemm whose speed depends on the CPU's matrix ISA, so the
+# crossover does too (launch/bench_gemm.py --threads 2, quiet 2-vCPU Xeon, ms per decode
+# step's projections, native vs F.linear; ONEDNN_MAX_CPU_ISA caps oneDNN to mimic other CPUs):
+#   AMX (oneDNN default here), hidden 512 x 8 layers: M=1 2.3 vs 4.2, 4: 3.1 vs 5.7,
+#     6: 6.9 vs 7.9, 8: 6.1 vs 5.5, 16: 10.1 vs 6.2; hidden 2048 x 2: 4: 15.5 vs 15.1, 8: 19.6
+#     vs 13.3 -> native up to 4 rows would be fastest, but we keep 8: a batch-1 verify of the
+#     default 8-token tree then runs the same kernel as plain decode, so its logits are bit-equal
+#     to plain decode's and greedy speculation stays token-identical (a 0.7-0.9x cost at 5-8
+#     rows, where only verify and small batches land).
+#   AVX512-BF16 without AMX: 16 rows 10.3 vs 11.9 and 32.9 vs 32.4, 64 rows 34 vs 29 and 113
+#     vs 95 -> native up to 16 rows.
+#   AVX2 (Zen 3-class): native 4-5.5x faster at every M from 8 to 64 (h512: 64 rows 29 vs 159
+#     ms), and oneDNN's AVX2 bf16 gemm stays ~9 GFLOP/s at any size -> native at any M.
+AMX_ROWS, AVX512_BF16_ROWS = 8, 16
+
+
+@cache
+def native_matmul_rows() -> int:
+    """Largest row count sent to ``tpserve::matmul`` on this CPU (see the table above)."""
+    isa = os.environ.get("ONEDNN_MAX_CPU_ISA", "ALL").upper()
+    capped = isa != "ALL" and isa != "DEFAULT"
+    if torch.cpu._is_amx_tile_supported() and (not capped or "AMX" in isa):
+        return AMX_ROWS
+    if torch.cpu._is_avx512_bf16_supported() and (not capped or "BF16" in isa or "AMX" in isa):
+        return AVX512_BF16_ROWS
+    return sys.maxsize
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
            ) -> torch.Tensor:
-    """``F.linear``, but CPU projections of up to ``NATIVE_MATMUL_ROWS`` rows (decode,
+    """``F.linear``, but CPU projections of up to ``native_matmul_rows()`` rows (decode,
     speculative verify, mixed decode + prefill steps) go through ``tpserve::matmul``
     (``cpu_ops``).
 
@@ -44,7 +61,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     the other rows in the call or the thread count, so a token's logits are the same in plain
     decode and in a verify batch.
     """
-    if x.dim() != 2 or x.shape[0] > NATIVE_MATMUL_ROWS or x.device.type != "cpu":
+    if x.dim() != 2 or x.shape[0] > native_matmul_rows() or x.device.type != "cpu":
         return F.linear(x, weight, bias)
     y = torch.ops.tpserve.matmul(x, weight)
     return y if bias is None else y + bias
