@@ -264,15 +264,15 @@ def test_the_pool_survives_fork() -> None:
 
 
 def test_linear_routes_cpu_rows_through_the_op() -> None:
-    from tpserve.layers.linear import linear, native_matmul_rows
+    from tpserve.layers.linear import NATIVE_MATMUL_ROWS, linear
 
     gen = torch.Generator().manual_seed(17)
     w = torch.randn(70, 200, generator=gen).bfloat16()
     bias = torch.randn(70, generator=gen).bfloat16()
-    rows = min(native_matmul_rows(), 64)  # AVX2 CPUs: the kernel at any M
+    rows = min(NATIVE_MATMUL_ROWS, 64)  # AVX2 CPUs: the kernel at any M
     for m in (1, rows, rows + 1):
         x = torch.randn(m, 200, generator=gen).bfloat16()
-        expect = (torch.ops.tpserve.matmul(x, w) + bias if m <= native_matmul_rows()
+        expect = (torch.ops.tpserve.matmul(x, w) + bias if m <= NATIVE_MATMUL_ROWS
                   else torch.nn.functional.linear(x, w, bias))
         assert torch.equal(linear(x, w, bias), expect)
 
@@ -328,8 +328,4 @@ def test_native_rows_follow_the_matmul_isa(monkeypatch: pytest.MonkeyPatch, amx:
         monkeypatch.delenv("ONEDNN_MAX_CPU_ISA", raising=False)
     else:
         monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", isa)
-    linear_mod.native_matmul_rows.cache_clear()
-    try:
-        assert linear_mod.native_matmul_rows() == rows
-    finally:
-        linear_mod.native_matmul_rows.cache_clear()
+    assert linear_mod.native_matmul_rows() == rows

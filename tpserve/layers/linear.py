@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 import sys
-from functools import cache
 from typing import Any
 
 import torch
@@ -36,7 +35,6 @@ from tpserve.layers.tp import TPContext, divide
 AMX_ROWS, AVX512_BF16_ROWS = 8, 16
 
 
-@cache
 def native_matmul_rows() -> int:
     """Largest row count sent to ``tpserve::matmul`` on this CPU (see the table above)."""
     isa = os.environ.get("ONEDNN_MAX_CPU_ISA", "ALL").upper()
@@ -48,9 +46,13 @@ def native_matmul_rows() -> int:
     return sys.maxsize
 
 
+# Resolved once at import: dynamo cannot trace torch.cpu's ISA probes inside compiled decode.
+NATIVE_MATMUL_ROWS = native_matmul_rows()
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
            ) -> torch.Tensor:
-    """``F.linear``, but CPU projections of up to ``native_matmul_rows()`` rows (decode,
+    """``F.linear``, but CPU projections of up to ``NATIVE_MATMUL_ROWS`` rows (decode,
     speculative verify, mixed decode + prefill steps) go through ``tpserve::matmul``
     (``cpu_ops``).
 
@@ -61,7 +63,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     the other rows in the call or the thread count, so a token's logits are the same in plain
     decode and in a verify batch.
     """
-    if x.dim() != 2 or x.shape[0] > native_matmul_rows() or x.device.type != "cpu":
+    if x.dim() != 2 or x.shape[0] > NATIVE_MATMUL_ROWS or x.device.type != "cpu":
         return F.linear(x, weight, bias)
     y = torch.ops.tpserve.matmul(x, weight)
     return y if bias is None else y + bias
