@@ -76,7 +76,7 @@ FLAG_HELP = {
     "mem_fraction_static": "GPU: fraction of memory for weights + KV cache",
     "kv_cache_gb": "CPU: KV cache budget per rank in GB",
     "max_total_tokens": "cap on KV cache tokens (overrides the memory-based size)",
-    "cpu_threads": "torch threads per rank on CPU (default: cores / local ranks; one fewer at TP=1)",
+    "cpu_threads": "torch and matmul-pool threads per rank on CPU (default: cores / local ranks)",
     "max_new_tokens_limit": "largest max_new_tokens a request may ask for",
     "seed": "server seed for requests without one",
     "log_level": "debug | info | warning", "dist_timeout_s": "collective timeout (s)",

@@ -57,17 +57,18 @@ def rank_info(device_flag: str) -> RankInfo:
 def cpu_threads_per_rank(local_world: int, override: int | None, cores: int | None = None) -> int:
     """Split the cores between the ranks of this host so they do not oversubscribe.
 
-    A single rank also runs the HTTP event loop (tokenizing, streaming), so it leaves that one
-    core: torch's intra-op pool spin-waits, and sharing every core with the loop thread cost
-    more than the extra thread gained. Measured on 2 cores, demo target, TP = 1, batch 1:
-    134 tok/s with 1 intra-op thread vs 79 with 2.
+    Each rank gets its whole share, the HTTP core included at TP = 1: the event loop needs
+    little, and gemm.c's pool and torch's threads then stream weights on every core. Served,
+    TP = 1 on the 2-vCPU Xeon, the 80 MB bench model (launch.bench_served --figures b1,b16,
+    three interleaved rounds, medians): one thread 79 / 475 tok/s at 1 / 16 streams, two
+    threads 144 / 616. (Leaving a core to HTTP was right for ATen's spinning OpenMP threads on
+    the tiny demo model; it no longer is.)
     """
     if override:
         return override
     if cores is None:
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    per_rank = max(1, cores // max(1, local_world))
-    return per_rank - 1 if local_world == 1 and per_rank > 1 else per_rank
+    return max(1, cores // max(1, local_world))
 
 
 def init_process_group(info: RankInfo, timeout_s: float) -> None:
