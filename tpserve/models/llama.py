@@ -19,8 +19,8 @@ from tpserve.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowPa
 from tpserve.layers.norm import RMSNorm
 from tpserve.layers.rotary import RotaryAt, RotaryEmbedding
 from tpserve.layers.tp import TPContext, divide
-from tpserve.layers.vocab import ParallelLMHead, VocabParallelEmbedding
 from tpserve.models.config import ModelConfig
+from tpserve.models.decoder_base import DecoderLM
 
 KVPair = tuple[torch.Tensor, torch.Tensor]
 
@@ -72,11 +72,13 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
+    """Pre-norm attention + feed-forward; ``mlp`` replaces the dense MLP (MoE families)."""
+
     def __init__(self, cfg: ModelConfig, tp: TPContext, dtype: torch.dtype,
-                 device: torch.device) -> None:
+                 device: torch.device, mlp: nn.Module | None = None) -> None:
         super().__init__()
         self.self_attn = Attention(cfg, tp, dtype, device)
-        self.mlp = MLP(cfg, tp, dtype, device)
+        self.mlp = mlp if mlp is not None else MLP(cfg, tp, dtype, device)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
 
@@ -86,65 +88,29 @@ class DecoderLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
-class LlamaForCausalLM(nn.Module):
-    # checkpoint suffix -> (our parameter suffix, shard id) for fused projections
-    STACKED = (
-        ("q_proj", "qkv_proj", 0), ("k_proj", "qkv_proj", 1), ("v_proj", "qkv_proj", 2),
-        ("gate_proj", "gate_up_proj", 0), ("up_proj", "gate_up_proj", 1),
-    )
+class LlamaForCausalLM(DecoderLM):
+    """Llama family (Llama 2/3, Mistral, Qwen2/3): the shared decoder over GQA layers."""
 
     def __init__(self, cfg: ModelConfig, tp: TPContext, dtype: torch.dtype,
                  device: torch.device, max_position: int) -> None:
-        super().__init__()
-        self.cfg, self.tp = cfg, tp
-        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp, dtype, device)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, tp, dtype, device) for _ in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
-        self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, tp, dtype, device)
-        self.rotary = RotaryEmbedding(cfg.rope, cfg.head_dim, max_position, device)
-        self.attention: AttentionBackend = self._attention_backend("auto", dtype, device)
+        layers = [self.make_layer(i, cfg, tp, dtype, device) for i in range(cfg.num_layers)]
+        rotary = RotaryEmbedding(cfg.rope, cfg.head_dim, max_position, device)
+        super().__init__(cfg, tp, dtype, device, layers, rotary)
 
-    def _attention_backend(self, name: str, dtype: torch.dtype,
-                           device: torch.device) -> AttentionBackend:
-        spec = self.layers[0].self_attn.attention_spec(dtype, self.cfg.sliding_window)
-        return create_attention(name, spec, device)
+    def make_layer(self, index: int, cfg: ModelConfig, tp: TPContext, dtype: torch.dtype,
+                   device: torch.device) -> nn.Module:
+        return DecoderLayer(cfg, tp, dtype, device)
 
     def set_attention_backend(self, name: str) -> None:
         """``--attention-backend``: every layer attends through one backend, prepared per step."""
         weight = self.embed_tokens.weight
-        self.attention = self._attention_backend(name, weight.dtype, weight.device)
+        spec = self.layers[0].self_attn.attention_spec(weight.dtype, self.cfg.sliding_window)
+        self.attention: AttentionBackend = create_attention(name, spec, weight.device)
 
-    def forward(self, batch: ForwardBatch, kv: list[KVPair],
-                aux_layers: tuple[int, ...] = ()) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        """Returns final-normed hidden [N, H] and the inputs of ``aux_layers`` (same shape)."""
-        x = self.embed_tokens(batch.input_ids)
-        rotary = self.rotary.at(batch.positions, x.dtype)  # shared by all layers
-        attend = bind(self.attention, batch.attn)  # the per-step preparation, done once
-        aux: list[torch.Tensor] = []
-        for i, layer in enumerate(self.layers):
-            if i in aux_layers:
-                aux.append(x)
-            x = layer(x, rotary, attend, kv[i])
-        if self.cfg.num_layers in aux_layers:
-            aux.append(x)
-        return self.norm(x), aux
-
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden)
+    def bind_attention(self, batch: ForwardBatch) -> Attend:
+        return bind(self.attention, batch.attn)  # the per-step preparation, done once
 
     def kv_layout(self) -> KVLayout:
         """Per-rank KV entries per token and layer (what the engine allocates pages for)."""
         attn = self.layers[0].self_attn
         return KVLayout.gqa(self.cfg.num_layers, attn.kv_heads, attn.head_dim)
-
-    def checkpoint_names(self) -> dict[str, tuple[str, int | None]]:
-        """Map every checkpoint tensor name to (our parameter name, shard id)."""
-        mapping: dict[str, tuple[str, int | None]] = {}
-        for name, _ in self.named_parameters():
-            hf = name if name.startswith("lm_head") else "model." + name
-            fused = [(c, o, s) for c, o, s in self.STACKED if f".{o}." in hf]
-            for ckpt, ours, shard in fused:
-                mapping[hf.replace(f".{ours}.", f".{ckpt}.")] = (name, shard)
-            if not fused:
-                mapping[hf] = (name, None)
-        return mapping
