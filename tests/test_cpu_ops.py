@@ -289,7 +289,7 @@ def _ctypes_gemm(lib: ctypes.CDLL, dtype: torch.dtype):  # type: ignore[no-untyp
 def test_avx2_build_within_one_ulp_on_any_thread_count(dtype: torch.dtype) -> None:
     """The 8-lane AVX2 path (CPUs without AVX-512), built from the same gemm.c via ctypes."""
     source = Path(cpu_ops.__file__).with_name("gemm.c")
-    depends = [source.with_name(n) for n in ("gemm_tiles.c", "gemm_pool.c")]
+    depends = [source.with_name(n) for n in ("gemm_tiles.c", "gemm_pool.c", "half.h")]
     lib, lanes = load_library(source, "gemm_lanes", depends, extra_flags=("-mno-avx512f",))
     assert lanes == 8
     fn = _ctypes_gemm(lib, dtype)

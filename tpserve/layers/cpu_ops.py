@@ -32,7 +32,8 @@ from comm_backends.native_build import FLAGS, NativeBuildError, build, compiler
 log = logging.getLogger(__name__)
 
 _SOURCE = Path(__file__).with_name("cpu_ops.cpp")
-_DEPENDS = tuple(Path(__file__).with_name(n) for n in ("gemm.c", "gemm_tiles.c", "gemm_pool.c"))
+_DEPENDS = tuple(Path(__file__).with_name(n)
+                 for n in ("gemm.c", "gemm_tiles.c", "gemm_pool.c", "half.h"))
 
 
 def _cxx_flags() -> list[str]:

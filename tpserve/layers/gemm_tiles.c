@@ -33,32 +33,7 @@
 #define ROWS 4 /* the ROWS x 1 tile below is named tile_*_4_1 */
 #define PREFETCH_BYTES 8192
 
-static inline float bf16_to_f32(uint16_t h) {
-    uint32_t u = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &u, sizeof f);
-    return f;
-}
-
-static inline uint16_t f32_to_bf16(float f) {
-    uint32_t u;
-    memcpy(&u, &f, sizeof u);
-    if ((u & 0x7FFFFFFFu) > 0x7F800000u) return (uint16_t)((u >> 16) | 0x40u); /* quiet NaN */
-    return (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
-}
-
-static inline float f16_to_f32(uint16_t h) {
-    _Float16 v;
-    memcpy(&v, &h, sizeof v);
-    return (float)v;
-}
-
-static inline uint16_t f32_to_f16(float f) {
-    _Float16 v = (_Float16)f;
-    uint16_t h;
-    memcpy(&h, &v, sizeof h);
-    return h;
-}
+#include "half.h"
 
 #if defined(__AVX512F__)
 #define LANES 16

@@ -13,27 +13,12 @@
 
 enum { ATTN_F32 = 0, ATTN_BF16 = 1, ATTN_F16 = 2 };
 
-static inline float bf16_to_f32(uint16_t h) {
-    uint32_t u = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &u, sizeof f);
-    return f;
-}
-
-static inline uint16_t f32_to_bf16(float f) {
-    uint32_t u;
-    memcpy(&u, &f, sizeof u);
-    if ((u & 0x7FFFFFFFu) > 0x7F800000u) return (uint16_t)((u >> 16) | 0x40u); /* quiet NaN */
-    return (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
-}
+#include "../half.h"
 
 static inline float load_elem(const void *base, int32_t dtype, int64_t i) {
     if (dtype == ATTN_F32) return ((const float *)base)[i];
     uint16_t h = ((const uint16_t *)base)[i];
-    if (dtype == ATTN_BF16) return bf16_to_f32(h);
-    _Float16 v;
-    memcpy(&v, &h, sizeof v);
-    return (float)v;
+    return dtype == ATTN_BF16 ? bf16_to_f32(h) : f16_to_f32(h);
 }
 
 static inline void store_elem(void *base, int32_t dtype, int64_t i, float x) {
@@ -42,8 +27,7 @@ static inline void store_elem(void *base, int32_t dtype, int64_t i, float x) {
     } else if (dtype == ATTN_BF16) {
         ((uint16_t *)base)[i] = f32_to_bf16(x);
     } else {
-        _Float16 v = (_Float16)x;
-        memcpy((uint16_t *)base + i, &v, sizeof v);
+        ((uint16_t *)base)[i] = f32_to_f16(x);
     }
 }
 

@@ -24,8 +24,9 @@ from comm_backends.native_build import FLAGS, NativeBuildError, build, compiler
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu_attention.cpp")
-KERNEL = tuple(Path(__file__).with_name(n) for n in ("paged_attention.c", "attn_simd.h",
-                                                       "attn_rows.h"))
+KERNEL = (*(Path(__file__).with_name(n) for n in ("paged_attention.c", "attn_simd.h",
+                                                  "attn_rows.h")),
+          Path(__file__).parent.parent / "half.h")  # shared with gemm_tiles.c
 
 
 @dataclass(frozen=True)
