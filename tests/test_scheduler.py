@@ -82,16 +82,17 @@ def test_stop_conditions(ckpt: Path) -> None:
     assert len(req2.output_ids) > first + 1
 
 
-def test_mixed_steps_carry_decode_tokens_and_prompt_chunks(ckpt: Path) -> None:
-    """A long prompt admitted while others decode rides along in pieces; outputs unchanged."""
+def _mixed_run(ckpt: Path, **kw: object) -> tuple[bool, list[tuple[str, list[int]]]]:
+    """(outputs equal the unmixed engine's, every step's (kind, q_lens)) for a long prompt
+    admitted while short ones decode."""
     long_prompt = [(7 * i) % 90 + 3 for i in range(40)]
     params = SamplingParams(max_new_tokens=16, temperature=0.0, ignore_eos=True)
 
     def reqs() -> list:
         return [make_request(f"r{i}", p, params) for i, p in enumerate(PROMPTS + [long_prompt])]
 
-    ref = run_all(build_engine(ckpt, chunk=8, disable_mixed_chunk=True), reqs())
-    engine = build_engine(ckpt, chunk=8)
+    ref = run_all(build_engine(ckpt, disable_mixed_chunk=True, **kw), reqs())
+    engine = build_engine(ckpt, **kw)
     sched, batches = engine.scheduler, []
     original = sched.next_batch
 
@@ -102,7 +103,22 @@ def test_mixed_steps_carry_decode_tokens_and_prompt_chunks(ckpt: Path) -> None:
         return batch
 
     sched.next_batch = record  # type: ignore[method-assign]
-    assert run_all(engine, reqs()) == ref
+    return run_all(engine, reqs()) == ref, batches
+
+
+def test_mixed_steps_carry_decode_tokens_and_prompt_chunks(ckpt: Path) -> None:
+    """A long prompt admitted while others decode rides along in pieces; outputs unchanged."""
+    same, batches = _mixed_run(ckpt, chunk=8)
     mixed = [lens for kind, lens in batches if kind == "mixed"]
-    assert mixed and all(sum(lens) <= 8 for _, lens in batches)
+    assert same and mixed and all(sum(lens) <= 8 for _, lens in batches)
     assert any(1 in lens and max(lens) > 1 for lens in mixed)
+
+
+def test_mixed_chunk_size_bounds_prompt_tokens_beside_decode(ckpt: Path) -> None:
+    """--mixed-chunk-size caps the prompt part of a step that also decodes (a stream's stall);
+    a step with nothing decoding still takes the whole --chunked-prefill-size."""
+    same, batches = _mixed_run(ckpt, chunk=16, mixed_chunk_size=3)
+    mixed = [lens for kind, lens in batches if kind == "mixed"]
+    assert same and mixed
+    assert all(sum(n for n in lens if n > 1) <= 3 for lens in mixed)
+    assert max(sum(lens) for kind, lens in batches if kind == "prefill") > 3

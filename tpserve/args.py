@@ -20,6 +20,7 @@ class ServerArgs:
     max_running_requests: int = 64
     max_queued_requests: int = 256
     chunked_prefill_size: int = 512
+    mixed_chunk_size: int | None = None  # None: 128 on CPU, --chunked-prefill-size on CUDA
     page_size: int = 16
     mem_fraction_static: float = 0.85
     kv_cache_gb: float = 1.0  # CPU KV budget per rank
@@ -72,6 +73,10 @@ FLAG_HELP = {
     "max_queued_requests": "requests allowed to wait beyond --max-running-requests; "
                            "more get 503 with Retry-After",
     "chunked_prefill_size": "max prompt tokens per prefill step",
+    "mixed_chunk_size": "max prompt tokens in a step that also carries running requests' "
+                        "decode tokens (default: 128 on CPU, where a step's time grows with "
+                        "its tokens and this bounds a stream's stall; --chunked-prefill-size "
+                        "on CUDA)",
     "page_size": "tokens per KV page",
     "mem_fraction_static": "GPU: fraction of memory for weights + KV cache",
     "kv_cache_gb": "CPU: KV cache budget per rank in GB",

@@ -3,8 +3,8 @@ prefix caching.
 
 Each call to ``next_batch`` returns a batch for one step. Mixed (the default): every running
 request's decode token plus prompt chunks filling the rest of the token budget
-(``--chunked-prefill-size``), so streams keep flowing while a long prompt is admitted piece by
-piece. Unmixed (speculative steps, whose verify is a tree forward of its own): a prefill batch
+(``--chunked-prefill-size``; at most ``--mixed-chunk-size`` prompt tokens while anything is
+decoding), so streams keep flowing while a long prompt is admitted piece by piece. Unmixed (speculative steps, whose verify is a tree forward of its own): a prefill batch
 or a decode batch, alternating when both kinds are ready so new prompts cannot starve
 requests already decoding. When pages run out
 during decode the most recently admitted request is preempted: its pages are freed and it
@@ -37,6 +37,9 @@ class SchedulerConfig:
     context_length: int
     decode_lookahead: int = 0  # extra KV slots a decode step writes (speculative tree nodes)
     prefix_cache: bool = True
+    # Prompt tokens a step may carry beside decode tokens: a stream waits for the whole step,
+    # so this bounds its stall while a long prompt is admitted (None: chunked_prefill_size).
+    mixed_chunk_size: int | None = None
 
 
 @dataclass
@@ -169,8 +172,10 @@ class Scheduler:
     def _mixed_once(self) -> ScheduledBatch | None:
         decode = self._decode_batch()
         taken = len(decode.requests) if decode is not None else 0
-        budget = self.cfg.chunked_prefill_size - taken
-        prefill = self._prefill_batch(budget) if budget > 0 else None
+        limit = self.cfg.chunked_prefill_size - taken
+        if decode is not None and self.cfg.mixed_chunk_size is not None:
+            limit = min(limit, self.cfg.mixed_chunk_size)
+        prefill = self._prefill_batch(limit) if limit > 0 else None
         if prefill is None or decode is None:
             return prefill or decode
         return ScheduledBatch("mixed", decode.requests + prefill.requests,
