@@ -3,7 +3,7 @@
 #
 #   TPSERVE_NPROC      ranks on this node (default: the GPUs this container sees, else 1)
 #   NNODES             nodes in the job (default 1: torchrun --standalone)
-#   NODE_RANK          this node's index, 0 .. NNODES-1 (default 0); node 0's rank 0 serves HTTP
+#   NODE_RANK          this node's index, 0 .. NNODES-1 (default 0); the node holding global rank 0 (the rendezvous decides) serves HTTP
 #   RDZV_ENDPOINT      HOST:PORT of the c10d rendezvous (required when NNODES > 1)
 #   RDZV_ID            job id shared by every node (optional; torchrun's default otherwise)
 #   TPSERVE_MODULE     the module torchrun runs (default tpserve; e.g. comm_backends.bench)

@@ -4,8 +4,10 @@
 The address comes from the server's own command line (``--host`` / ``--port``, read from
 ``/proc/1/cmdline``, the container's first process: the entrypoint, or the init that runs
 it), so a run with ``--port 8000`` needs no second setting. A wildcard bind (``0.0.0.0``,
-``::``) is probed on loopback. Only node 0 serves HTTP in a multi-node job, so on a node with
-``NODE_RANK`` > 0 there is nothing to probe and the check passes.
+``::``) is probed on loopback. In a multi-node job (``NNODES`` > 1 or ``NODE_RANK`` > 0) only
+the node that torchrun's c10d rendezvous gave global rank 0 serves HTTP, and which node that
+is the rendezvous decides, not ``NODE_RANK``: so there, nothing listening on the port means
+another node serves and the check passes, while a server that answers must answer 200.
 
 Standard library only: it must run with whichever ``python3`` the image has.
 Usage: ``healthcheck.py`` (reads /proc/1/cmdline) or ``healthcheck.py -- SERVER ARGS...``.
@@ -50,22 +52,31 @@ def first_process_args() -> list[str]:
     return [a.decode(errors="replace") for a in raw.split(b"\0") if a]
 
 
-def probe(url: str) -> tuple[bool, str]:
+def probe(url: str) -> tuple[bool | None, str]:
+    """(True: 200, False: another answer or a timeout, None: nothing listening, detail)."""
     try:
         with urllib.request.urlopen(url, timeout=TIMEOUT_S) as reply:
             return reply.status == 200, f"{url}: {reply.status}"
     except urllib.error.HTTPError as exc:  # 503 while starting, shutting down or failed
         return False, f"{url}: {exc.code} {exc.read(200).decode(errors='replace')}"
+    except urllib.error.URLError as exc:
+        refused = isinstance(exc.reason, ConnectionRefusedError)
+        return (None if refused else False), f"{url}: {exc.reason}"
     except (OSError, ValueError) as exc:
         return False, f"{url}: {exc}"
 
 
+def multi_node() -> bool:
+    return (os.environ.get("NNODES", "1") not in ("", "1")
+            or os.environ.get("NODE_RANK", "0") not in ("", "0"))
+
+
 def main(argv: list[str]) -> int:
-    if os.environ.get("NODE_RANK", "0") not in ("", "0"):
-        print(f"node {os.environ['NODE_RANK']}: HTTP is served by node 0")
-        return 0
     server_args = argv[argv.index("--") + 1:] if "--" in argv else first_process_args()
     ok, detail = probe(health_url(server_args))
+    if ok is None and multi_node():
+        print(f"{detail} (multi-node job: HTTP is served by the node holding global rank 0)")
+        return 0
     print(detail)
     return 0 if ok else 1
 

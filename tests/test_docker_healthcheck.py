@@ -93,10 +93,16 @@ def test_nothing_listening_is_unhealthy() -> None:
     assert out.returncode == 1 and "refused" in out.stdout.lower()
 
 
-def test_nodes_other_than_zero_have_no_http_and_pass() -> None:
-    port = free_port()
-    assert run("--", "--port", str(port), env={"NODE_RANK": "1"}).returncode == 0
-    assert run("--", "--port", str(port), env={"NODE_RANK": "0"}).returncode == 1
+@pytest.mark.parametrize("env", [{"NODE_RANK": "1"}, {"NNODES": "2", "NODE_RANK": "0"}])
+def test_multi_node_passes_where_nothing_listens_but_not_on_a_bad_answer(env: dict[str, str]
+                                                                       ) -> None:
+    # c10d's rendezvous, not NODE_RANK, decides which node holds global rank 0 (and HTTP).
+    assert run("--", "--port", str(free_port()), env=env).returncode == 0
+    with serving(503) as port:
+        assert run("--", "--port", str(port), env=env).returncode == 1
+    with serving(200) as port:
+        assert run("--", "--port", str(port), env=env).returncode == 0
+    assert run("--", "--port", str(free_port()), env={"NODE_RANK": "0"}).returncode == 1
 
 
 def test_reads_the_first_process_command_line_by_default(monkeypatch: pytest.MonkeyPatch
