@@ -105,8 +105,7 @@ class AdaptiveDriver:
             self.on = False
             return change
         self.on = bool(body["adaptive"])
-        rest = {k: v for k, v in body.items() if k != "adaptive"}
-        return {**change, "speculative": rest or None}
+        return without_adaptive(change, body)
 
     def snapshot(self) -> dict[str, Any]:
         return {"enabled": self.on, **self.chooser.snapshot()}
@@ -121,6 +120,11 @@ def take_adaptive(driver: AdaptiveDriver | None, change: dict[str, Any]) -> dict
         raise AdminError("adaptive speculation was not set up at launch (it needs a draft "
                          "and --speculative-adaptive on)")
     if isinstance(body, dict) and "adaptive" in body:
-        rest = {k: v for k, v in body.items() if k != "adaptive"}
-        return {**change, "speculative": rest or None}
+        return without_adaptive(change, body)
     return change
+
+
+def without_adaptive(change: dict[str, Any], body: dict[str, Any]) -> dict[str, Any]:
+    """``change`` with ``speculative.adaptive`` removed (None when nothing else is left)."""
+    rest = {k: v for k, v in body.items() if k != "adaptive"}
+    return {**change, "speculative": rest or None}

@@ -143,8 +143,8 @@ def build_engine(args: ServerArgs, on_stage: StageHook = _no_hook) -> BuiltEngin
     channel = make_channel(None) if info.world_size > 1 else None
     engine = None
     if info.rank == 0:
-        engine = Engine(runner, _scheduler(args, kv, context_length, spec_cfg, info.device), channel,
-                        context_length, spec)
+        scheduler = _scheduler(args, kv, context_length, spec_cfg, info.device)
+        engine = Engine(runner, scheduler, channel, context_length, spec)
         engine.mixed = not args.disable_mixed_chunk
         engine.adaptive = make_driver(args, spec, engine.scheduler.cfg.decode_lookahead,
                                       runner.static)

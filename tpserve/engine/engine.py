@@ -150,7 +150,9 @@ class Engine:
         if self.runner.comm is not None:
             self.runner.comm.check()  # a collective that failed asynchronously (cuda_p2p)
         speculating = self.spec is not None and self.spec.enabled and batch.kind == "decode"
-        setting = current_setting(self.spec) if self.spec is not None else None
+        # The setting this step runs under, for the chooser (only where one is set up).
+        setting = (current_setting(self.spec)
+                   if self.adaptive is not None and self.spec is not None else None)
         if speculating:
             appended = self._spec_step(batch)
         else:
