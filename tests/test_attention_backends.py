@@ -30,6 +30,7 @@ from tests.attention_cases import Case, make_case, reference
 from tests.attention_ctypes import NativeKernel
 from tpserve.engine.plan import Layout, build_forward_batch
 from tpserve.errors import ConfigError
+from tpserve.layers import cpu_ops
 from tpserve.layers.attention import (
     AttentionSpec,
     available,
@@ -58,10 +59,12 @@ BACKENDS = ["torch", "cpu"]
 
 @pytest.fixture(autouse=True)
 def two_threads() -> Iterator[None]:
-    before = torch.get_num_threads()
+    before, pool_before = torch.get_num_threads(), cpu_ops.set_matmul_threads(1)
     torch.set_num_threads(2)  # the native op's threaded path (a no-op on one core)
+    cpu_ops.set_matmul_threads(2)  # ... which runs on tpserve::matmul's pool
     yield
     torch.set_num_threads(before)
+    cpu_ops.set_matmul_threads(pool_before)
 
 
 def run(backend: str, case: Case) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:

@@ -16,6 +16,7 @@ from tpserve.dist import CommSwitch
 from tpserve.engine.kv_cache import KVCache
 from tpserve.engine.plan import BatchLayout, build_forward_batch
 from tpserve.engine.static_forward import StaticExecutor, StaticForward, decode_forward, run_static
+from tpserve.engine.step_threads import StepThreads
 
 
 @dataclass
@@ -36,11 +37,13 @@ class ModelRunner:
         self.decode_forward: StaticForward = decode_forward(model, kv.layers)
         self.static: StaticExecutor | None = None  # set by static_setup.install_static
         self.graph_info: dict[str, Any] = {}  # capture/compile report for server info
+        self.threads = StepThreads.for_device(device)
 
     @torch.inference_mode()
     def forward(self, step: BatchLayout, logit_rows: Any,
                 aux_layers: tuple[int, ...] = ()) -> ForwardOutput:
         """Run ``step``; logits only for ``logit_rows`` (rows of the ragged batch)."""
+        self.threads.fit(len(step.token_ids))
         batch = build_forward_batch(step, self.page_size, self.device)
         rows = torch.as_tensor(logit_rows, dtype=torch.long).to(self.device)
         if batch.queries == 1 and not aux_layers:

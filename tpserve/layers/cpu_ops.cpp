@@ -10,6 +10,8 @@
 //   else is ATen: at::mv for one row, at::linear for more.
 // tpserve::set_matmul_threads(n) -> n: threads of gemm.c's pool, caller included, for the
 //   process (the server sets it beside torch.set_num_threads); tpserve::matmul_threads() reads it.
+// tpserve::pool_handle() -> address of a `void (*)(fn, ctx, chunks)` that runs fn(ctx, c) for
+//   every chunk on that pool; handed to tpserve::paged_attention_use_pool.
 // tpserve::mean_square(x) -> mean(x^2) over the last dim, keepdim: RMSNorm's reduction. For
 //   contiguous CPU fp32 rows it is one pass here (8 fp64 partial sums in a fixed order, then
 //   one rounding: within an ulp of the exact value), ~1 us for a 512-wide row where ATen's
@@ -24,15 +26,19 @@
 #include <ATen/ops/empty.h>
 #include <ATen/ops/linear.h>
 #include <ATen/ops/mv.h>
+#include <ATen/ops/silu.h>
+
 #include <torch/library.h>
 
 #include <algorithm>
 #include <cstdlib>
 #include <cstring>
 #include <stdexcept>
+#include <tuple>
 
 extern "C" {
 #include "gemm.c"
+#include "fused.c"
 }
 
 namespace {
@@ -109,6 +115,86 @@ at::Tensor mean_square(const at::Tensor &x) {
     return out;
 }
 
+// ---- fused pointwise steps (fused.c); the Python reference of each is in fused.py ----
+
+int fused_dtype(const at::Tensor &t) {
+    switch (t.scalar_type()) {
+    case at::kFloat: return FUSED_F32;
+    case at::kBFloat16: return FUSED_BF16;
+    case at::kHalf: return FUSED_F16;
+    default: TORCH_CHECK(false, "tpserve fused op: unsupported dtype ", t.scalar_type());
+    }
+}
+
+// 2-D view of [..., n] rows with unit inner stride (x may have a row stride, e.g. a split).
+at::Tensor rows_of(const at::Tensor &x, const char *what) {
+    TORCH_CHECK(x.device().is_cpu() && x.dim() >= 1 && x.stride(-1) == 1,
+                "tpserve::", what, ": needs a CPU tensor with contiguous rows");
+    return x.dim() == 2 ? x : x.reshape({-1, x.size(-1)});
+}
+
+void check_norm(const at::Tensor &x, const at::Tensor &weight) {
+    TORCH_CHECK(weight.dim() == 1 && weight.is_contiguous() && weight.size(0) == x.size(-1) &&
+                    weight.scalar_type() == x.scalar_type(),
+                "tpserve::rms_norm: weight must be a contiguous [", x.size(-1), "] of x's dtype");
+}
+
+at::Tensor rms_norm(const at::Tensor &x, const at::Tensor &weight, double eps) {
+    check_norm(x, weight);
+    at::Tensor xr = rows_of(x, "rms_norm");
+    at::Tensor out = at::empty(x.sizes(), x.options());
+    int32_t status = fused_rms_norm(xr.const_data_ptr(), xr.stride(0), nullptr, 0,
+                                    weight.const_data_ptr(), nullptr, out.mutable_data_ptr(),
+                                    xr.size(0), xr.size(1), static_cast<float>(eps),
+                                    fused_dtype(x));
+    if (status != 0) throw std::bad_alloc();
+    return out;
+}
+
+std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor &x, const at::Tensor &delta,
+                                                const at::Tensor &weight, double eps) {
+    check_norm(x, weight);
+    TORCH_CHECK(delta.sizes() == x.sizes() && delta.scalar_type() == x.scalar_type(),
+                "tpserve::add_rms_norm: x and delta must match");
+    at::Tensor xr = rows_of(x, "add_rms_norm"), dr = rows_of(delta, "add_rms_norm");
+    at::Tensor sum = at::empty(x.sizes(), x.options()), out = at::empty(x.sizes(), x.options());
+    int32_t status = fused_rms_norm(xr.const_data_ptr(), xr.stride(0), dr.const_data_ptr(),
+                                    dr.stride(0), weight.const_data_ptr(), sum.mutable_data_ptr(),
+                                    out.mutable_data_ptr(), xr.size(0), xr.size(1),
+                                    static_cast<float>(eps), fused_dtype(x));
+    if (status != 0) throw std::bad_alloc();
+    return {sum, out};
+}
+
+std::tuple<at::Tensor, at::Tensor> rotary_qk(const at::Tensor &qkv, const at::Tensor &cos,
+                                             const at::Tensor &sin, int64_t q_heads,
+                                             int64_t kv_heads, int64_t head_dim) {
+    TORCH_CHECK(qkv.dim() == 2 && qkv.device().is_cpu() && qkv.stride(1) == 1 &&
+                    qkv.size(1) >= (q_heads + kv_heads) * head_dim && head_dim % 2 == 0,
+                "tpserve::rotary_qk: qkv must be CPU [tokens, >= (q + kv heads) * head_dim]");
+    const int64_t n = qkv.size(0);
+    TORCH_CHECK(cos.sizes() == sin.sizes() && cos.size(0) == n && cos.size(-1) == head_dim &&
+                    cos.numel() == n * head_dim && cos.stride(-1) == 1 && sin.stride(-1) == 1 &&
+                    cos.stride(0) == sin.stride(0) && cos.scalar_type() == qkv.scalar_type() &&
+                    sin.scalar_type() == qkv.scalar_type(),
+                "tpserve::rotary_qk: cos/sin must be one contiguous head_dim row per token");
+    at::Tensor q = at::empty({n, q_heads, head_dim}, qkv.options());
+    at::Tensor k = at::empty({n, kv_heads, head_dim}, qkv.options());
+    fused_rotary(qkv.const_data_ptr(), qkv.stride(0), cos.const_data_ptr(), sin.const_data_ptr(),
+                 cos.stride(0), q.mutable_data_ptr(), k.mutable_data_ptr(), n, q_heads, kv_heads,
+                 head_dim, fused_dtype(qkv));
+    return {q, k};
+}
+
+// ATen's own silu and mul (vectorised exp; the same bits as the Python expression), called
+// from here so a decode step pays one dispatch from Python instead of three.
+at::Tensor silu_mul(const at::Tensor &x) {
+    TORCH_CHECK(x.dim() >= 1 && x.size(-1) % 2 == 0,
+                "tpserve::silu_mul: last dim must hold gate and up halves");
+    const int64_t inter = x.size(-1) / 2;
+    return at::silu(x.narrow(-1, 0, inter)).mul_(x.narrow(-1, inter, inter));
+}
+
 int64_t gemm_vector_lanes() { return native_enabled() ? LANES : 0; }
 
 int64_t set_matmul_threads(int64_t threads) {
@@ -116,6 +202,13 @@ int64_t set_matmul_threads(int64_t threads) {
 }
 
 int64_t matmul_threads() { return gemm_threads(); }
+
+// The pool's entry point as an integer, for the paged-attention library (a separate .so): its
+// work items then run on these threads too, so a decode step never waits at an OpenMP
+// fork-join barrier for a thread the OS has not scheduled (see cpu_native.py).
+void run_on_pool(pool_chunk_fn fn, void *ctx, int64_t chunks) { pool_run(fn, ctx, chunks); }
+
+int64_t pool_handle() { return reinterpret_cast<int64_t>(&run_on_pool); }
 
 }  // namespace
 
@@ -125,9 +218,23 @@ TORCH_LIBRARY(tpserve, m) {
     m.def("gemm_lanes() -> int", &gemm_vector_lanes);
     m.def("set_matmul_threads(int threads) -> int", &set_matmul_threads);
     m.def("matmul_threads() -> int", &matmul_threads);
+    m.def("pool_handle() -> int", &pool_handle);
+    m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
+    m.def("add_rms_norm(Tensor x, Tensor delta, Tensor weight, float eps) -> (Tensor, Tensor)");
+    m.def("rotary_qk(Tensor qkv, Tensor cos, Tensor sin, int q_heads, int kv_heads, "
+          "int head_dim) -> (Tensor, Tensor)");
+    m.def("silu_mul(Tensor x) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(tpserve, CompositeExplicitAutograd, m) {
     m.impl("matmul", &matmul);
     m.impl("mean_square", &mean_square);
+}
+
+// CPU only: other devices call the Python references in fused.py.
+TORCH_LIBRARY_IMPL(tpserve, CPU, m) {
+    m.impl("rms_norm", &rms_norm);
+    m.impl("add_rms_norm", &add_rms_norm);
+    m.impl("rotary_qk", &rotary_qk);
+    m.impl("silu_mul", &silu_mul);
 }

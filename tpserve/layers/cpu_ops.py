@@ -1,4 +1,5 @@
-"""tpserve's opaque ops (``tpserve::matmul``, ``tpserve::mean_square``): C++ where it builds.
+"""tpserve's opaque ops (``tpserve::matmul``, ``tpserve::mean_square``, the fused pointwise ops of
+``fused.py``): C++ where it builds.
 
 What the ops do and why they are opaque: ``cpu_ops.cpp``. This module makes sure they exist
 before a model runs or is traced:
@@ -28,12 +29,13 @@ import torch.nn.functional as F
 import torch.utils.cpp_extension
 
 from comm_backends.native_build import FLAGS, NativeBuildError, build, compiler
+from tpserve.layers import fused
 
 log = logging.getLogger(__name__)
 
 _SOURCE = Path(__file__).with_name("cpu_ops.cpp")
 _DEPENDS = tuple(Path(__file__).with_name(n)
-                 for n in ("gemm.c", "gemm_tiles.c", "gemm_pool.c", "half.h"))
+                 for n in ("gemm.c", "gemm_tiles.c", "gemm_pool.c", "half.h", "fused.c"))
 
 
 def _cxx_flags() -> list[str]:
@@ -73,11 +75,14 @@ def _define_python_ops() -> torch.library.Library:
     lib.define("gemm_lanes() -> int")
     lib.define("set_matmul_threads(int threads) -> int")
     lib.define("matmul_threads() -> int")
+    lib.define("pool_handle() -> int")
     lib.impl("matmul", _aten_matmul, "CompositeExplicitAutograd")
     lib.impl("mean_square", lambda x: x.pow(2).mean(-1, keepdim=True), "CompositeExplicitAutograd")
     lib.impl("gemm_lanes", lambda: 0, "CompositeExplicitAutograd")
     lib.impl("set_matmul_threads", lambda threads: 1, "CompositeExplicitAutograd")
     lib.impl("matmul_threads", lambda: 1, "CompositeExplicitAutograd")
+    lib.impl("pool_handle", lambda: 0, "CompositeExplicitAutograd")
+    fused.define_fallbacks(lib)
     return lib
 
 
@@ -89,6 +94,8 @@ def _register_fakes() -> None:
     @torch.library.register_fake("tpserve::mean_square")
     def _(x: torch.Tensor) -> torch.Tensor:
         return x.new_empty(*x.shape[:-1], 1)
+
+    fused.register_fakes()
 
 
 @dataclass(frozen=True)

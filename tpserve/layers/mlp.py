@@ -8,9 +8,9 @@ experts' partial sums before its single allreduce.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from tpserve.layers import fused
 from tpserve.layers.quant import WeightFormat, row_partial
 from tpserve.layers.tp import TPContext, divide
 
@@ -27,8 +27,7 @@ class GatedMLP(nn.Module):
         self.inter_local = divide(intermediate, tp.size, "intermediate_size")
 
     def _act(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.inter_local, dim=-1)
-        return F.silu(gate) * up
+        return fused.silu_mul(self.gate_up_proj(x))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self._act(x))

@@ -16,6 +16,7 @@ import math
 import torch
 from torch import nn
 
+from tpserve.layers import fused
 from tpserve.models.config import RopeConfig
 
 
@@ -120,11 +121,20 @@ class RotaryAt:
     def __call__(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return self.rotate(q, self.cos, self.sin), self.rotate(k, self.cos, self.sin)
 
+    def split_qk(self, qkv: torch.Tensor, q_heads: int, kv_heads: int, head_dim: int
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rotated q [N, q_heads, D] and k [N, kv_heads, D] out of a fused qkv projection
+        [N, (q_heads + 2 kv_heads) * D]: one op for the NeoX layout (``fused.rotary_qk``)."""
+        if self.rotate is _rotate:
+            return fused.rotary_qk(qkv, self.cos, self.sin, q_heads, kv_heads, head_dim)
+        n = qkv.shape[0]
+        q = qkv[:, : q_heads * head_dim].reshape(n, q_heads, head_dim)
+        k = qkv[:, q_heads * head_dim : (q_heads + kv_heads) * head_dim].reshape(
+            n, kv_heads, head_dim)
+        return self(q, k)
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
+
+_rotate = fused.rotate_half
 
 
 def _rotate_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -8,11 +8,11 @@ layers (EAGLE-3's auxiliary features) without any cost when none are asked for.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from tpserve.engine.forward_batch import ForwardBatch
 from tpserve.engine.kv_cache import KVLayout
+from tpserve.layers import fused
 from tpserve.layers.attention import Attend, AttentionBackend, AttentionSpec, bind
 from tpserve.layers.attention import create as create_attention
 from tpserve.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
@@ -45,15 +45,17 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, rotary: RotaryAt, attend: Attend,
                 cache: KVPair) -> torch.Tensor:
-        n = x.shape[0]
-        q_size, kv_size = self.heads * self.head_dim, self.kv_heads * self.head_dim
-        q, k, v = self.qkv_proj(x).split([q_size, kv_size, kv_size], dim=-1)
-        q = q.reshape(n, self.heads, self.head_dim)
-        k = k.reshape(n, self.kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rotary(q, k)
-        return self.o_proj(attend(q, k, v.reshape(n, self.kv_heads, self.head_dim), cache))
+        n, d = x.shape[0], self.head_dim
+        qkv = self.qkv_proj(x)
+        v = qkv[:, (self.heads + self.kv_heads) * d:].view(n, self.kv_heads, d)
+        if self.q_norm is None:  # split and rotate in one op where the rotary layout allows
+            q, k = rotary.split_qk(qkv, self.heads, self.kv_heads, d)
+        else:
+            q = qkv[:, : self.heads * d].reshape(n, self.heads, d)
+            k = qkv[:, self.heads * d : (self.heads + self.kv_heads) * d].reshape(
+                n, self.kv_heads, d)
+            q, k = rotary(self.q_norm(q), self.k_norm(k))
+        return self.o_proj(attend(q, k, v, cache))
 
 
 class MLP(nn.Module):
@@ -67,8 +69,7 @@ class MLP(nn.Module):
         self.inter_local = divide(inter, tp.size, "intermediate_size")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.inter_local, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(fused.silu_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -84,8 +85,9 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, rotary: RotaryAt, attend: Attend,
                 cache: KVPair) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), rotary, attend, cache)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        delta = self.self_attn(self.input_layernorm(x), rotary, attend, cache)
+        x, h = self.post_attention_layernorm.add_forward(x, delta)
+        return x + self.mlp(h)
 
 
 class LlamaForCausalLM(DecoderLM):

@@ -193,6 +193,7 @@ class Drafter:
         layout = Layout(tree.tokens.reshape(-1).numpy(), np.full(batch, n, dtype=np.int32),
                         cached, pages.numpy())
         positions = (committed[:, None] + tree.depths).reshape(-1).numpy()
+        self.runner.threads.fit(batch * n)
         fb = build_forward_batch(layout, self.runner.page_size, self.runner.device,
                                  positions=positions, mask_start=cached, custom_mask=tree.mask)
         logits, feats = run_static(self.runner.static, self.verify_forward, fb, {})

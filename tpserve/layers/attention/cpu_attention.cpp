@@ -1,10 +1,13 @@
 // tpserve::paged_attention: one call per layer that writes the step's K/V into the paged cache
 // and attends over it in place (kernel and semantics: paged_attention.c; loader: cpu_native.py).
 //
-// Threads: work items (request, kv head, query block) are claimed from an atomic counter inside
-// one at::parallel_for region, so long and short requests balance. at::parallel_for only runs
-// in parallel when this file is compiled with -fopenmp against torch's own OpenMP runtime (the
-// loader links the libgomp torch already loaded); otherwise it runs on the calling thread.
+// Threads: work items (request, kv head, query block) are claimed one at a time, so long and
+// short requests balance. They run on tpserve::matmul's pool when the loader hands it over
+// (tpserve::paged_attention_use_pool): a decode step's projections and attention then share one
+// set of threads, and neither waits for a thread that is not running. Otherwise they run inside
+// one at::parallel_for region, in parallel when this file is compiled with -fopenmp against
+// torch's own OpenMP runtime (the loader links the libgomp torch already loaded), else on the
+// calling thread.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -84,10 +87,31 @@ std::vector<char> &thread_scratch() {
     return scratch;
 }
 
-// fn(i, scratch) for i in [0, n): on the calling thread, or claimed from a shared counter by
-// torch's threads (one parallel region per call).
+using pool_chunk_fn = void (*)(void *ctx, int64_t chunk);
+using pool_run_fn = void (*)(pool_chunk_fn fn, void *ctx, int64_t chunks);
+
+// Set once by the loader, before the first call (0: torch's threads).
+std::atomic<pool_run_fn> shared_pool{nullptr};
+
+int64_t use_pool(int64_t handle) {
+    shared_pool.store(reinterpret_cast<pool_run_fn>(handle));
+    return handle != 0;
+}
+
+template <typename F>
+void pool_trampoline(void *ctx, int64_t i) {
+    (*static_cast<const F *>(ctx))(i, thread_scratch().data());
+}
+
+// fn(i, scratch) for i in [0, n): on the shared pool, on the calling thread, or claimed from a
+// shared counter by torch's threads (one parallel region per call).
 template <typename F>
 void for_items(int64_t n, const F &fn) {
+    pool_run_fn pool = shared_pool.load(std::memory_order_relaxed);
+    if (pool != nullptr && n > 1 && !at::in_parallel_region()) {
+        pool(&pool_trampoline<F>, const_cast<void *>(static_cast<const void *>(&fn)), n);
+        return;
+    }
     const int64_t threads = std::min<int64_t>(at::get_num_threads(), n);
     if (threads <= 1 || at::in_parallel_region()) {
         void *scratch = thread_scratch().data();
@@ -195,6 +219,7 @@ TORCH_LIBRARY_FRAGMENT(tpserve, m) {
           "Tensor page_table, Tensor q_indptr, Tensor kv_lens, Tensor write_slots, "
           "Tensor? mask_start, Tensor? custom_mask, int page_size, int window, float scale) -> Tensor");
     m.def("paged_attention_lanes() -> int", &paged_attention_lanes);
+    m.def("paged_attention_use_pool(int handle) -> int", &use_pool);
 }
 
 TORCH_LIBRARY_IMPL(tpserve, CPU, m) { m.impl("paged_attention", &paged_attention); }

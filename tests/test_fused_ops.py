@@ -1,0 +1,115 @@
+"""The fused CPU ops (tpserve::rms_norm, add_rms_norm, rotary_qk, silu_mul) give the same bits
+as the torch expressions they replace (``tpserve/layers/fused.py``'s references), for every
+16-bit and fp32 dtype, one row (decode) and many (prefill, split over the pool's threads),
+strided inputs, and refuse malformed ones."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from tpserve.layers import cpu_ops, fused
+
+DTYPES = [torch.bfloat16, torch.float16, torch.float32]
+ROWS = [1, 7, 100]
+
+
+@pytest.fixture(autouse=True)
+def threads() -> Iterator[None]:
+    # One torch thread: the reference's mean_square then sums every row in the fixed fp64
+    # order (ATen's pow + mean, which it uses for large inputs on several threads, rounds
+    # differently); two pool threads: the ops' row chunks run on both.
+    if cpu_ops.load().impl != "c++":
+        pytest.skip(f"the C++ ops did not build here: {cpu_ops.load().reason}")
+    before, pool = torch.get_num_threads(), cpu_ops.set_matmul_threads(2)
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+    cpu_ops.set_matmul_threads(pool)
+
+
+def _rand(*shape: int, dtype: torch.dtype, scale: float = 1.0, seed: int = 0) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    return (torch.randn(*shape, generator=gen) * scale).to(dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", ROWS)
+def test_rms_norm_bits(dtype: torch.dtype, rows: int) -> None:
+    x = _rand(rows, 512, dtype=dtype, scale=3.0, seed=rows)
+    w = (torch.rand(512, generator=torch.Generator().manual_seed(1)) + 0.5).to(dtype)
+    out = torch.ops.tpserve.rms_norm(x, w, 1e-6)
+    assert torch.equal(out, fused.rms_norm_reference(x, w, 1e-6))
+    # and it is a norm: rows of the unscaled output have mean square ~1
+    unit = torch.ops.tpserve.rms_norm(x, torch.ones_like(w), 1e-6).double()
+    assert torch.allclose(unit.pow(2).mean(-1), torch.ones(rows, dtype=torch.float64), atol=2e-2)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", ROWS)
+def test_add_rms_norm_bits(dtype: torch.dtype, rows: int) -> None:
+    wide = _rand(rows, 1024, dtype=dtype, scale=2.0, seed=rows)
+    x = wide[:, :512]  # a strided view: rows 1024 apart
+    delta = _rand(rows, 512, dtype=dtype, seed=rows + 1)
+    w = _rand(512, dtype=dtype, seed=3)
+    total, normed = torch.ops.tpserve.add_rms_norm(x, delta, w, 1e-5)
+    ref_total, ref_normed = fused.add_rms_norm_reference(x, delta, w, 1e-5)
+    assert torch.equal(total, ref_total) and torch.equal(normed, ref_normed)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", ROWS)
+@pytest.mark.parametrize("heads", [(8, 4, 64), (4, 1, 128), (2, 2, 32)])
+def test_rotary_qk_bits(dtype: torch.dtype, rows: int, heads: tuple[int, int, int]) -> None:
+    hq, hk, d = heads
+    qkv = _rand(rows, (hq + 2 * hk) * d, dtype=dtype, scale=2.0, seed=rows + hq)
+    angles = torch.rand(rows, 1, d, generator=torch.Generator().manual_seed(5)) * 7
+    cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
+    q, k = torch.ops.tpserve.rotary_qk(qkv, cos, sin, hq, hk, d)
+    ref_q, ref_k = fused.rotary_qk_reference(qkv, cos, sin, hq, hk, d)
+    assert q.shape == (rows, hq, d) and k.shape == (rows, hk, d)
+    assert torch.equal(q, ref_q) and torch.equal(k, ref_k)
+
+
+def test_rotary_matches_float64_rotation() -> None:
+    """Against the rotation itself: pairs (i, i + D/2) turned by each token's angle."""
+    rows, hq, hk, d = 5, 2, 1, 16
+    qkv = _rand(rows, (hq + 2 * hk) * d, dtype=torch.float32, seed=9)
+    theta = torch.rand(rows, 1, d // 2, generator=torch.Generator().manual_seed(2)) * 6
+    angles = torch.cat((theta, theta), dim=-1)
+    q, _ = torch.ops.tpserve.rotary_qk(qkv, angles.cos(), angles.sin(), hq, hk, d)
+    x = qkv[:, : hq * d].reshape(rows, hq, d).double()
+    a, b, t = x[..., : d // 2], x[..., d // 2 :], theta.double()
+    expected = torch.cat((a * t.cos() - b * t.sin(), b * t.cos() + a * t.sin()), dim=-1)
+    assert torch.allclose(q.double(), expected, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", ROWS)
+def test_silu_mul_bits(dtype: torch.dtype, rows: int) -> None:
+    x = _rand(rows, 2 * 1408, dtype=dtype, scale=4.0, seed=rows)
+    assert torch.equal(torch.ops.tpserve.silu_mul(x), fused.silu_mul_reference(x))
+
+
+def test_dispatchers_use_the_references_off_cpu() -> None:
+    """``fused.*`` call the ops on CPU; the references (what CUDA runs) agree with them."""
+    x = _rand(3, 64, dtype=torch.bfloat16, seed=4)
+    w = torch.ones(64, dtype=torch.bfloat16)
+    assert torch.equal(fused.rms_norm(x, w, 1e-6), fused.rms_norm_reference(x, w, 1e-6))
+    assert torch.equal(fused.silu_mul(x), fused.silu_mul_reference(x))
+
+
+@pytest.mark.parametrize("call", [
+    lambda: torch.ops.tpserve.rms_norm(torch.ones(2, 8), torch.ones(4), 1e-6),
+    lambda: torch.ops.tpserve.rms_norm(torch.ones(2, 8), torch.ones(8, dtype=torch.bfloat16), 1e-6),
+    lambda: torch.ops.tpserve.add_rms_norm(torch.ones(2, 8), torch.ones(3, 8), torch.ones(8), 1e-6),
+    lambda: torch.ops.tpserve.rotary_qk(torch.ones(2, 10), torch.ones(2, 1, 4), torch.ones(2, 1, 4),
+                                        2, 1, 4),
+    lambda: torch.ops.tpserve.rms_norm(torch.ones(2, 8, dtype=torch.int32),
+                                       torch.ones(8, dtype=torch.int32), 1e-6),
+], ids=["weight-size", "weight-dtype", "delta-shape", "qkv-too-narrow", "int-dtype"])
+def test_malformed_inputs_raise(call) -> None:  # type: ignore[no-untyped-def]
+    with pytest.raises(RuntimeError):
+        call()

@@ -1,0 +1,116 @@
+"""A decoder layer's small per-token steps as single ops: RMSNorm (after the residual add),
+NeoX rotary of the fused qkv projection's q/k heads, SiLU(gate) * up.
+
+On CPU each is one ``tpserve::`` op (``fused.c`` via ``cpu_ops.cpp``), bit-equal to the torch
+expression below it; elsewhere (CUDA, where graphs and compile already fuse) and in
+``cpu_ops``' Python fallback, the torch expression itself runs. The references here are also
+what the tests compare the ops against.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm in fp32, cast back, then scaled: the Hugging Face Llama reference's rounding."""
+    dtype = x.dtype
+    x32 = x.float()
+    ms = torch.ops.tpserve.mean_square(x32)
+    return weight * (x32 * torch.rsqrt(ms + eps)).to(dtype)
+
+
+def add_rms_norm_reference(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor,
+                           eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    total = x + delta
+    return total, rms_norm_reference(total, weight, eps)
+
+
+def rotate_half(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """NeoX rotary: dimension i pairs with i + D/2."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+def rotary_qk_reference(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, q_heads: int,
+                        kv_heads: int, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    n = qkv.shape[0]
+    q = qkv[:, : q_heads * head_dim].reshape(n, q_heads, head_dim)
+    k = qkv[:, q_heads * head_dim : (q_heads + kv_heads) * head_dim].reshape(n, kv_heads, head_dim)
+    cos, sin = cos.reshape(n, 1, head_dim), sin.reshape(n, 1, head_dim)
+    return rotate_half(q, cos, sin), rotate_half(k, cos, sin)
+
+
+def silu_mul_reference(x: torch.Tensor) -> torch.Tensor:
+    gate, up = x.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def _native(x: torch.Tensor) -> bool:
+    return x.device.type == "cpu"
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    if _native(x):
+        return torch.ops.tpserve.rms_norm(x, weight, eps)
+    return rms_norm_reference(x, weight, eps)
+
+
+def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x + delta, rms_norm(x + delta)): the residual add and the next norm in one pass."""
+    if _native(x):
+        return torch.ops.tpserve.add_rms_norm(x, delta, weight, eps)
+    return add_rms_norm_reference(x, delta, weight, eps)
+
+
+def rotary_qk(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, q_heads: int,
+              kv_heads: int, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotated q [N, q_heads, D] and k [N, kv_heads, D] from qkv [N, (q + 2 kv) * D]."""
+    if _native(qkv):
+        return torch.ops.tpserve.rotary_qk(qkv, cos, sin, q_heads, kv_heads, head_dim)
+    return rotary_qk_reference(qkv, cos, sin, q_heads, kv_heads, head_dim)
+
+
+def silu_mul(x: torch.Tensor) -> torch.Tensor:
+    """SiLU of the first half of the last dimension times the second half."""
+    if _native(x):
+        return torch.ops.tpserve.silu_mul(x)
+    return silu_mul_reference(x)
+
+
+def define_fallbacks(lib: torch.library.Library) -> None:
+    """The same ops over ATen, for ``cpu_ops``' Python fallback (no C++ compiler)."""
+    lib.define("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor")
+    lib.define("add_rms_norm(Tensor x, Tensor delta, Tensor weight, float eps) -> (Tensor, Tensor)")
+    lib.define("rotary_qk(Tensor qkv, Tensor cos, Tensor sin, int q_heads, int kv_heads, "
+               "int head_dim) -> (Tensor, Tensor)")
+    lib.define("silu_mul(Tensor x) -> Tensor")
+    for name, fn in (("rms_norm", rms_norm_reference), ("add_rms_norm", add_rms_norm_reference),
+                     ("rotary_qk", rotary_qk_reference), ("silu_mul", silu_mul_reference)):
+        lib.impl(name, fn, "CompositeExplicitAutograd")
+
+
+def register_fakes() -> None:
+    """Shapes for torch.compile."""
+    @torch.library.register_fake("tpserve::rms_norm")
+    def _(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        return torch.empty_like(x)
+
+    @torch.library.register_fake("tpserve::add_rms_norm")
+    def _(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float
+          ) -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.empty_like(x), torch.empty_like(x)
+
+    @torch.library.register_fake("tpserve::rotary_qk")
+    def _(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, q_heads: int, kv_heads: int,
+          head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+        n = qkv.shape[0]
+        return qkv.new_empty(n, q_heads, head_dim), qkv.new_empty(n, kv_heads, head_dim)
+
+    @torch.library.register_fake("tpserve::silu_mul")
+    def _(x: torch.Tensor) -> torch.Tensor:
+        return x.new_empty(*x.shape[:-1], x.shape[-1] // 2)
+
