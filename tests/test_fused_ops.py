@@ -113,3 +113,25 @@ def test_dispatchers_use_the_references_off_cpu() -> None:
 def test_malformed_inputs_raise(call) -> None:  # type: ignore[no-untyped-def]
     with pytest.raises(RuntimeError):
         call()
+
+
+@pytest.mark.parametrize("rows", [1, 5])
+def test_greedy_logprob_bits(rows: int) -> None:
+    logits = _rand(rows, 32000, dtype=torch.float32, scale=5.0, seed=rows)
+    logits[0, 17] = logits[0, 4000] = logits.max() + 1  # a tie: the first index wins
+    tokens, lps = torch.ops.tpserve.greedy_logprob(logits)
+    ref_tokens, ref_lps = fused.greedy_logprob_reference(logits)
+    assert tokens[0] == 17 and torch.equal(tokens, ref_tokens) and torch.equal(lps, ref_lps)
+    exact = torch.log_softmax(logits.double(), -1).gather(1, tokens[:, None]).squeeze(1)
+    assert torch.allclose(lps.double(), exact, atol=1e-5)
+
+
+def test_greedy_logprob_extremes_are_finite() -> None:
+    logits = torch.zeros(3, 8)
+    logits[0, 2] = float("nan")  # NaN counts as the maximum, as torch.argmax
+    logits[1] = float("-inf")
+    logits[1, 5] = float("inf")
+    tokens, lps = torch.ops.tpserve.greedy_logprob(logits)
+    ref_tokens, ref_lps = fused.greedy_logprob_reference(logits)
+    assert torch.equal(tokens, ref_tokens) and torch.equal(lps, ref_lps)
+    assert torch.isfinite(lps).all() and tokens[0] == 2

@@ -19,6 +19,7 @@ import torch
 from torch import Tensor
 
 from tpserve.engine.sampling_params import SamplingParams
+from tpserve.layers import fused
 
 
 @dataclass(frozen=True)
@@ -202,6 +203,10 @@ def sample(
     if len(params) != logits.shape[0] or len(generators) != logits.shape[0]:
         raise ValueError("logits, params and generators must have the same batch size")
     logits = logits.float()
+    want_top = any(p.logprobs > 0 for p in params)
+    if not want_top and all(p.greedy for p in params):  # plain decode: one op on CPU
+        tokens, chosen = fused.greedy_logprob(logits)
+        return SampleResult(tokens, chosen, None)
     tokens = logits.argmax(dim=-1)
     sampled_rows = [i for i, p in enumerate(params) if not p.greedy]
     if sampled_rows:
@@ -209,18 +214,11 @@ def sample(
         probs = target_probs(logits[idx], [params[i] for i in sampled_rows])
         drawn = _draw(probs, [generators[i] for i in sampled_rows], fallback_generator)
         tokens[idx] = drawn
-    want_top = any(p.logprobs > 0 for p in params)
     if want_top:
-        logprobs_all = _finite(torch.log_softmax(logits, dim=-1))
+        logprobs_all = fused.finite_logprobs(torch.log_softmax(logits, dim=-1))
         chosen = logprobs_all.gather(1, tokens.unsqueeze(1)).squeeze(1)
         return SampleResult(tokens, chosen, _top_logprobs(logprobs_all, params))
     # Without top-logprobs, logit - logsumexp avoids materialising a second [B, V] tensor.
     chosen = logits.gather(1, tokens.unsqueeze(1)).squeeze(1) - logits.logsumexp(dim=-1)
-    return SampleResult(tokens, _finite(chosen), None)
+    return SampleResult(tokens, fused.finite_logprobs(chosen), None)
 
-
-def _finite(logprobs: Tensor) -> Tensor:
-    """Log-probabilities as JSON can carry them: logits pushed to +-inf by extreme penalties
-    give NaN / -inf, which become the most negative float (and +inf, impossible, 0)."""
-    lowest = torch.finfo(logprobs.dtype).min
-    return torch.nan_to_num(logprobs, nan=lowest, posinf=0.0, neginf=lowest)

@@ -25,6 +25,7 @@
 #include <ATen/Parallel.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/linear.h>
+#include <ATen/ops/logsumexp.h>
 #include <ATen/ops/mv.h>
 #include <ATen/ops/silu.h>
 
@@ -32,7 +33,9 @@
 
 #include <algorithm>
 #include <cstdlib>
+#include <cmath>
 #include <cstring>
+#include <limits>
 #include <stdexcept>
 #include <tuple>
 
@@ -195,6 +198,35 @@ at::Tensor silu_mul(const at::Tensor &x) {
     return at::silu(x.narrow(-1, 0, inter)).mul_(x.narrow(-1, inter, inter));
 }
 
+// Greedy rows' token and log-probability: argmax (the first maximum; a NaN counts as the
+// maximum, as torch.argmax) and logit - logsumexp (ATen's, so the same bits as the sampler's
+// torch expression), pushed finite as fused.finite_logprobs. One call instead of ~10 small ops.
+std::tuple<at::Tensor, at::Tensor> greedy_logprob(const at::Tensor &logits) {
+    TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == at::kFloat && logits.is_contiguous() &&
+                    logits.size(1) > 0,
+                "tpserve::greedy_logprob: logits must be a contiguous fp32 [rows, vocab]");
+    const int64_t rows = logits.size(0), vocab = logits.size(1);
+    at::Tensor lse = at::logsumexp(logits, {-1});
+    at::Tensor tokens = at::empty({rows}, logits.options().dtype(at::kLong));
+    at::Tensor logprobs = at::empty({rows}, logits.options());
+    const float *x = logits.const_data_ptr<float>(), *l = lse.const_data_ptr<float>();
+    int64_t *tok = tokens.mutable_data_ptr<int64_t>();
+    float *lp = logprobs.mutable_data_ptr<float>();
+    const float lowest = std::numeric_limits<float>::lowest();
+    for (int64_t r = 0; r < rows; r++) {
+        const float *row = x + r * vocab;
+        int64_t best = 0;
+        for (int64_t i = 0; i < vocab; i++) {
+            if (std::isnan(row[i])) { best = i; break; }
+            if (row[i] > row[best]) best = i;
+        }
+        const float v = row[best] - l[r];
+        tok[r] = best;
+        lp[r] = std::isnan(v) ? lowest : std::isinf(v) ? (v > 0 ? 0.0f : lowest) : v;
+    }
+    return {tokens, logprobs};
+}
+
 int64_t gemm_vector_lanes() { return native_enabled() ? LANES : 0; }
 
 int64_t set_matmul_threads(int64_t threads) {
@@ -224,6 +256,7 @@ TORCH_LIBRARY(tpserve, m) {
     m.def("rotary_qk(Tensor qkv, Tensor cos, Tensor sin, int q_heads, int kv_heads, "
           "int head_dim) -> (Tensor, Tensor)");
     m.def("silu_mul(Tensor x) -> Tensor");
+    m.def("greedy_logprob(Tensor logits) -> (Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(tpserve, CompositeExplicitAutograd, m) {
@@ -237,4 +270,5 @@ TORCH_LIBRARY_IMPL(tpserve, CPU, m) {
     m.impl("add_rms_norm", &add_rms_norm);
     m.impl("rotary_qk", &rotary_qk);
     m.impl("silu_mul", &silu_mul);
+    m.impl("greedy_logprob", &greedy_logprob);
 }

@@ -168,7 +168,7 @@ def native_blockwise_gemm(device: torch.device) -> bool:
 def fp8_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, block: Block
                ) -> torch.Tensor:
     """y = x W^T for a block-scaled FP8 ``W`` (q [out, in], scale [out / bo, in / bi])."""
-    if x.device.type == "cpu":
+    if x.is_cpu:
         return fp8_linear_cpu(x, q, scale, block)
     shape = x.shape
     x2 = x.reshape(-1, shape[-1])

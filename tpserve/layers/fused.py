@@ -1,5 +1,6 @@
-"""A decoder layer's small per-token steps as single ops: RMSNorm (after the residual add),
-NeoX rotary of the fused qkv projection's q/k heads, SiLU(gate) * up.
+"""A decoder step's small per-token pieces as single ops: RMSNorm (after the residual add),
+NeoX rotary of the fused qkv projection's q/k heads, SiLU(gate) * up, and the sampler's
+greedy pick with its log-probability.
 
 On CPU each is one ``tpserve::`` op (``fused.c`` via ``cpu_ops.cpp``), bit-equal to the torch
 expression below it; elsewhere (CUDA, where graphs and compile already fuse) and in
@@ -48,8 +49,22 @@ def silu_mul_reference(x: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
+def greedy_logprob_reference(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Greedy rows: (argmax, its log-softmax value pushed finite) of fp32 logits [B, V]."""
+    tokens = logits.argmax(dim=-1)
+    chosen = logits.gather(1, tokens.unsqueeze(1)).squeeze(1) - logits.logsumexp(dim=-1)
+    return tokens, finite_logprobs(chosen)
+
+
+def finite_logprobs(logprobs: torch.Tensor) -> torch.Tensor:
+    """Log-probabilities as JSON can carry them: logits pushed to +-inf by extreme penalties
+    give NaN / -inf, which become the most negative float (and +inf, impossible, 0)."""
+    lowest = torch.finfo(logprobs.dtype).min
+    return torch.nan_to_num(logprobs, nan=lowest, posinf=0.0, neginf=lowest)
+
+
 def _native(x: torch.Tensor) -> bool:
-    return x.device.type == "cpu"
+    return x.is_cpu
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -81,6 +96,13 @@ def silu_mul(x: torch.Tensor) -> torch.Tensor:
     return silu_mul_reference(x)
 
 
+def greedy_logprob(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(tokens [B] long, log-probabilities [B]) of the greedy pick from fp32 logits [B, V]."""
+    if _native(logits):
+        return torch.ops.tpserve.greedy_logprob(logits.contiguous())
+    return greedy_logprob_reference(logits)
+
+
 def define_fallbacks(lib: torch.library.Library) -> None:
     """The same ops over ATen, for ``cpu_ops``' Python fallback (no C++ compiler)."""
     lib.define("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor")
@@ -88,8 +110,10 @@ def define_fallbacks(lib: torch.library.Library) -> None:
     lib.define("rotary_qk(Tensor qkv, Tensor cos, Tensor sin, int q_heads, int kv_heads, "
                "int head_dim) -> (Tensor, Tensor)")
     lib.define("silu_mul(Tensor x) -> Tensor")
+    lib.define("greedy_logprob(Tensor logits) -> (Tensor, Tensor)")
     for name, fn in (("rms_norm", rms_norm_reference), ("add_rms_norm", add_rms_norm_reference),
-                     ("rotary_qk", rotary_qk_reference), ("silu_mul", silu_mul_reference)):
+                     ("rotary_qk", rotary_qk_reference), ("silu_mul", silu_mul_reference),
+                     ("greedy_logprob", greedy_logprob_reference)):
         lib.impl(name, fn, "CompositeExplicitAutograd")
 
 
@@ -109,6 +133,11 @@ def register_fakes() -> None:
           head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
         n = qkv.shape[0]
         return qkv.new_empty(n, q_heads, head_dim), qkv.new_empty(n, kv_heads, head_dim)
+
+    @torch.library.register_fake("tpserve::greedy_logprob")
+    def _(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        rows = logits.shape[0]
+        return logits.new_empty(rows, dtype=torch.long), logits.new_empty(rows)
 
     @torch.library.register_fake("tpserve::silu_mul")
     def _(x: torch.Tensor) -> torch.Tensor:

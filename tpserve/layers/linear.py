@@ -63,7 +63,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     the other rows in the call or the thread count, so a token's logits are the same in plain
     decode and in a verify batch.
     """
-    if x.dim() != 2 or x.shape[0] > NATIVE_MATMUL_ROWS or x.device.type != "cpu":
+    if x.dim() != 2 or x.shape[0] > NATIVE_MATMUL_ROWS or not x.is_cpu:
         return F.linear(x, weight, bias)
     y = torch.ops.tpserve.matmul(x, weight)
     return y if bias is None else y + bias
