@@ -23,10 +23,10 @@ import math
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from tpserve.errors import ConfigError
+from tpserve.layers import fused
 from tpserve.layers.fp8 import FP8, Block, fp8_linear
 from tpserve.layers.linear import _param, copy_into, linear
 from tpserve.layers.quant import check_aligned, require_fp8
@@ -100,8 +100,7 @@ class ExpertStack(nn.Module):
         return fp8_linear(x, w, getattr(self, which + "_scale_inv")[e], self.block)
 
     def expert_mlp(self, e: int, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self._matmul(x, "w13", e).split(self.inter_local, dim=-1)
-        return self._matmul(F.silu(gate) * up, "w2", e)
+        return self._matmul(fused.silu_mul(self._matmul(x, "w13", e)), "w2", e)
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """x [N, H], weights/ids [N, top_k] -> this rank's partial output [N, H]."""

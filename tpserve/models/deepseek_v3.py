@@ -44,8 +44,9 @@ class DeepseekDecoderLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, rotary: RotaryAt, attend: BoundMLA,
                 cache: tuple[torch.Tensor, ...]) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), rotary, attend, cache)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        delta = self.self_attn(self.input_layernorm(x), rotary, attend, cache)
+        x, h = self.post_attention_layernorm.add_forward(x, delta)
+        return x + self.mlp(h)
 
 
 class DeepseekV3ForCausalLM(DecoderLM):
