@@ -5,11 +5,14 @@ strided inputs, and refuse malformed ones."""
 
 from __future__ import annotations
 
+import ctypes
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import torch
 
+from comm_backends.native_build import load_library
 from tpserve.layers import cpu_ops, fused
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
@@ -126,6 +129,18 @@ def test_greedy_logprob_bits(rows: int) -> None:
     assert torch.allclose(lps.double(), exact, atol=1e-5)
 
 
+@pytest.mark.parametrize("where", ["vector", "tail", "nan-vector", "nan-tail"])
+def test_greedy_logprob_finds_the_first_max_anywhere(where: str) -> None:
+    """A vocabulary that is not a multiple of the vector width: the scalar tail counts too."""
+    logits = _rand(2, 32003, dtype=torch.float32, seed=11)
+    spot = {"vector": 31990, "tail": 32001, "nan-vector": 100, "nan-tail": 32002}[where]
+    logits[1, spot] = float("nan") if where.startswith("nan") else 50.0
+    logits[1, 20] = 50.0 if where == "tail" else logits[1, 20]  # an earlier equal max wins
+    tokens, lps = torch.ops.tpserve.greedy_logprob(logits)
+    ref_tokens, ref_lps = fused.greedy_logprob_reference(logits)
+    assert torch.equal(tokens, ref_tokens) and torch.equal(lps, ref_lps)
+
+
 def test_greedy_logprob_extremes_are_finite() -> None:
     logits = torch.zeros(3, 8)
     logits[0, 2] = float("nan")  # NaN counts as the maximum, as torch.argmax
@@ -135,3 +150,27 @@ def test_greedy_logprob_extremes_are_finite() -> None:
     ref_tokens, ref_lps = fused.greedy_logprob_reference(logits)
     assert torch.equal(tokens, ref_tokens) and torch.equal(lps, ref_lps)
     assert torch.isfinite(lps).all() and tokens[0] == 2
+
+
+@pytest.mark.parametrize("isa", ["avx2", "avx512"])
+def test_argmax_kernel_on_both_isa_paths(isa: str) -> None:
+    """argmax.c built alone for each vector path, against torch.argmax (first max, NaN first)."""
+    if isa == "avx512" and "avx512f" not in Path("/proc/cpuinfo").read_text():
+        pytest.skip("this CPU has no AVX-512 (its AVX2 path is tested)")
+    source = Path(fused.__file__).with_name("argmax.c")
+    flags = ("-mno-avx512f",) if isa == "avx2" else ()
+    lib, lanes = load_library(source, "argmax_lanes", extra_flags=flags)
+    assert lanes == (8 if isa == "avx2" else 16)
+    fn = lib.argmax_first
+    fn.restype, fn.argtypes = ctypes.c_int64, (ctypes.c_void_p, ctypes.c_int64)
+    gen = torch.Generator().manual_seed(21)
+    for n in (1, 7, 8, 16, 33, 32000, 32003):
+        for case in ("random", "tie", "nan", "all-inf"):
+            row = torch.randn(n, generator=gen)
+            if case == "tie" and n > 2:
+                row[n // 3] = row[n - 1] = 9.0
+            elif case == "nan":
+                row[n // 2] = float("nan")
+            elif case == "all-inf":
+                row[:] = float("-inf")
+            assert fn(row.data_ptr(), n) == int(row.argmax()), (n, case)

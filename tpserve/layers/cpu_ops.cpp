@@ -42,6 +42,7 @@
 extern "C" {
 #include "gemm.c"
 #include "fused.c"
+#include "argmax.c"
 }
 
 namespace {
@@ -214,13 +215,8 @@ std::tuple<at::Tensor, at::Tensor> greedy_logprob(const at::Tensor &logits) {
     float *lp = logprobs.mutable_data_ptr<float>();
     const float lowest = std::numeric_limits<float>::lowest();
     for (int64_t r = 0; r < rows; r++) {
-        const float *row = x + r * vocab;
-        int64_t best = 0;
-        for (int64_t i = 0; i < vocab; i++) {
-            if (std::isnan(row[i])) { best = i; break; }
-            if (row[i] > row[best]) best = i;
-        }
-        const float v = row[best] - l[r];
+        const int64_t best = argmax_first(x + r * vocab, vocab);
+        const float v = x[r * vocab + best] - l[r];
         tok[r] = best;
         lp[r] = std::isnan(v) ? lowest : std::isinf(v) ? (v > 0 ? 0.0f : lowest) : v;
     }
