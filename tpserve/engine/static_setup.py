@@ -24,6 +24,7 @@ from tpserve.dist import CommSwitch
 from tpserve.engine.buckets import Buckets, default_batch_sizes, round_up
 from tpserve.engine.static_forward import StaticForward
 from tpserve.errors import ConfigError
+from tpserve.layers.attention.registry import unavailable_reason
 
 log = logging.getLogger(__name__)
 
@@ -133,15 +134,28 @@ def make_executor(args: ServerArgs, forwards: list[StaticForward], device: torch
 
 
 def attention_backend_name(args: ServerArgs, device: torch.device) -> str:
-    """``--attention-backend``, resolved for what will run: CUDA graphs prepare attention inside
-    the graph, which only the ``torch`` backend supports so far."""
-    if not uses_graphs(args, device):
-        return args.attention_backend
-    if args.attention_backend in ("auto", "torch"):
-        return "torch"
-    raise ConfigError(f"--attention-backend {args.attention_backend} cannot run inside CUDA "
-                      "graphs yet; use --attention-backend torch, or --disable-cuda-graph",
-                      "--attention-backend")
+    """``--attention-backend`` as given: every backend runs under CUDA graphs (FlashInfer plans
+    on the host around them, see graphs.py "Key span"), and the model resolves ``auto`` for its
+    own attention spec (on CUDA: ``flashinfer`` where it can run it, else ``torch``)."""
+    return args.attention_backend
+
+
+def graph_attention_line(requested: str, backend: Any, device: torch.device) -> str:
+    """One log line: the attention backend CUDA graphs replay and what that means for the
+    key span; when ``auto`` fell back to ``torch``, why FlashInfer could not run."""
+    name = getattr(backend, "name", type(backend).__name__)
+    if name == "flashinfer":
+        why = ("decode graphs replay FlashInfer's CUDA-graph decode over the pages each step "
+               "uses; draft/verify graphs gather with torch up to the context limit")
+    elif name == "torch":
+        reason = None
+        if requested == "auto":
+            reason = unavailable_reason("flashinfer", backend.spec, device)
+        why = (reason or f"--attention-backend {requested}") + (
+            "; each replayed step gathers keys up to the context limit")
+    else:
+        why = "the model's own attention"
+    return f"CUDA graphs: attention backend '{name}' ({why})"
 
 
 def install_static(args: ServerArgs, runner: Any, spec: Any, world_size: int,
@@ -155,6 +169,10 @@ def install_static(args: ServerArgs, runner: Any, spec: Any, world_size: int,
     runner.static = executor
     # The executor's own dict: compile times recorded later show up live.
     runner.graph_info = executor.info if executor is not None else {"kind": "eager"}
+    if uses_graphs(args, runner.device):
+        backend = runner.model.attention
+        log.info(graph_attention_line(args.attention_backend, backend, runner.device))
+        runner.graph_info["attention"] = getattr(backend, "name", type(backend).__name__)
     if executor is not None:
         shape = ModelShape.of(runner.model, runner.kv.cfg.dtype)
         reserved = graph_reserve_bytes(args, shape, context_length, runner.device)
