@@ -147,6 +147,11 @@ def test_decode_graphs_replay_flashinfer_over_growing_contexts(cpu_graphs: None,
                          window=window)
         case.spec = spec
         _check(model, executor, "decode", case)
+        # The replayed kernel read exactly the pages in use (inert rows: the dummy page).
+        bucket = 2 if len(cached) <= 2 else 4
+        wrapper = next(w for meta, w in backend._static.values() if meta.batch_size == bucket)
+        pages = sum(-(-(c + 1) // PAGE) for c in cached) + bucket - len(cached)
+        assert int(wrapper.buffers[0][-1]) == pages
     assert not eager_plans
     assert executor.info["sets"]["decode"]["graphs"] == 2
 

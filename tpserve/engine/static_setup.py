@@ -9,6 +9,9 @@ up to ``--cuda-graph-max-bs``).
 Memory: ``graph_reserve_bytes`` estimates what capture will take (peak activations of the
 largest bucket, shared through one pool, plus every graph's resident outputs) so the KV
 cache is sized after it; raising ``--cuda-graph-max-bs`` therefore visibly trades KV pages.
+A ``torch`` forward gathers keys up to the context limit, so its estimate grows with the
+context; FlashInfer's decode graphs gather nothing (their wrappers' buffers are counted
+instead), so without speculation a long context costs graphs no more than a short one.
 """
 
 from __future__ import annotations
@@ -32,6 +35,9 @@ log = logging.getLogger(__name__)
 # nodes are written there before acceptance. One constant for every builder.
 ROTARY_HEADROOM = 64
 GRAPH_OVERHEAD = 1 << 20  # bytes per captured graph beyond its tensors (rough)
+# FlashInfer allocates an int workspace of this size on the device per decode wrapper (one per
+# bucket), beside the page-index buffers the buckets share.
+FLASHINFER_WRAPPER_BYTES = 8 << 20
 
 
 @dataclass(frozen=True)
@@ -43,13 +49,15 @@ class ModelShape:
     kv_heads_local: int
     head_dim: int
     itemsize: int
+    attention: str = "torch"  # the model's attention backend (what decode graphs replay)
 
     @staticmethod
     def of(model: Any, dtype: torch.dtype) -> ModelShape:
         attn, mlp = model.layers[0].self_attn, model.layers[0].mlp
+        backend = getattr(model, "attention", None)
         return ModelShape(model.lm_head.per_rank * model.tp.size, model.cfg.hidden_size,
                           mlp.inter_local, attn.heads, attn.kv_heads, attn.head_dim,
-                          dtype.itemsize)
+                          dtype.itemsize, getattr(backend, "name", "torch"))
 
 
 def batch_sizes(args: ServerArgs) -> tuple[int, ...]:
@@ -79,10 +87,16 @@ def graph_reserve_bytes(args: ServerArgs, shape: ModelShape, context_length: int
     if not uses_graphs(args, device):
         return 0
     sizes, keys = batch_sizes(args), max_keys(context_length, args.page_size)
-    peak = max(_activation_bytes(shape, sizes[-1], q, keys) for q in forward_queries(args))
+    flashinfer = shape.attention == "flashinfer"
+    # FlashInfer's decode (Q = 1) reads pages in place; speculative forwards gather (torch).
+    peak = max(_activation_bytes(shape, sizes[-1], q, 0 if flashinfer and q == 1 else keys)
+               for q in forward_queries(args))
     out_row = shape.vocab * 4 + shape.hidden * shape.itemsize
     outputs = sum(b * q * out_row for b in sizes for q in forward_queries(args))
-    return peak + outputs + GRAPH_OVERHEAD * len(sizes) * len(forward_queries(args))
+    wrappers = 0
+    if flashinfer:
+        wrappers = FLASHINFER_WRAPPER_BYTES * len(sizes) + sizes[-1] * (keys // args.page_size) * 4
+    return peak + outputs + wrappers + GRAPH_OVERHEAD * len(sizes) * len(forward_queries(args))
 
 
 def _activation_bytes(s: ModelShape, batch: int, queries: int, keys: int) -> int:
@@ -131,13 +145,6 @@ def make_executor(args: ServerArgs, forwards: list[StaticForward], device: torch
                           "graphs (the default; --disable-cuda-graph runs it eagerly)",
                           "--compile")
     return None
-
-
-def attention_backend_name(args: ServerArgs, device: torch.device) -> str:
-    """``--attention-backend`` as given: every backend runs under CUDA graphs (FlashInfer plans
-    on the host around them, see graphs.py "Key span"), and the model resolves ``auto`` for its
-    own attention spec (on CUDA: ``flashinfer`` where it can run it, else ``torch``)."""
-    return args.attention_backend
 
 
 def graph_attention_line(requested: str, backend: Any, device: torch.device) -> str:
