@@ -5,6 +5,8 @@ random bf16 checkpoint shaped like Llama-3.2-1B (hidden 2048, 16 layers, 32/8 he
 intermediate 8192, vocab 128256, untied head), then decodes greedily at each batch size
 eagerly and with CUDA graphs, and prints both against the HBM limit: weight bytes read per
 step over the bandwidth of a large read-only reduction, x batch. Run by launch/gpu_check.sh.
+``--attention-backend`` (default ``auto``: FlashInfer where installed, its CUDA-graph decode under
+graphs) applies to both runs; the line after the table names the backend the graphs replayed.
 """
 
 from __future__ import annotations
@@ -69,8 +71,10 @@ def hbm_read_gbs(nbytes: int = 4 << 30, repeats: int = 5) -> float:
     return nbytes / best / 1e9
 
 
-def measure(path: Path, batches: list[int], tokens: int, graphs: bool) -> dict[str, Any]:
+def measure(path: Path, batches: list[int], tokens: int, graphs: bool,
+            attention: str = "auto") -> dict[str, Any]:
     args = ServerArgs(model=str(path), device="cuda", dtype="bfloat16", allreduce="nccl",
+                      attention_backend=attention,
                       context_length=2048, max_running_requests=max(batches),
                       cuda_graph_max_bs=max(batches), disable_cuda_graph=not graphs,
                       mem_fraction_static=0.6)
@@ -92,11 +96,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap = argparse.ArgumentParser(prog="launch.gpu_decode_table")
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
     ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--attention-backend", default="auto")
     ap.add_argument("--json")
     args = ap.parse_args(argv)
     path = write_checkpoint(Path(tempfile.mkdtemp()) / "llama-1b-random")
-    eager = measure(path, args.batches, args.tokens, graphs=False)
-    graph = measure(path, args.batches, args.tokens, graphs=True)
+    eager = measure(path, args.batches, args.tokens, False, args.attention_backend)
+    graph = measure(path, args.batches, args.tokens, True, args.attention_backend)
     bw = hbm_read_gbs()
     limit = {b: bw * 1e9 / eager["weight_bytes"] * b for b in args.batches}
     print(f"\n{'batch':>6}{'eager tok/s':>14}{'graphs tok/s':>14}{'speedup':>9}"
@@ -106,7 +111,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         print(f"{b:>6}{e:>14.1f}{g:>14.1f}{g / e:>8.2f}x{limit[b]:>12.1f}{g / limit[b]:>14.0%}")
     print(f"HBM read {bw:.0f} GB/s; {eager['weight_bytes'] / 1e9:.2f} GB weights per step; "
           f"KV pages eager {eager['kv_pages']} vs graphs {graph['kv_pages']}")
-    print(f"graphs: {json.dumps(graph['graph_info'])}")
+    print(f"graphs attention backend: {graph['graph_info'].get('attention')}; "
+          f"graphs: {json.dumps(graph['graph_info'])}")
     res = {"eager": eager, "graphs": graph, "hbm_gbs": bw, "limit_tok_s": limit}
     if args.json:
         Path(args.json).write_text(json.dumps(res, indent=2, default=str))

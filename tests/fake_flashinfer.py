@@ -7,6 +7,13 @@ in indptr order, the last one filled to last_page_len; query i of a request with
 and kv_len keys sits at position kv_len - qo_len + i; causal hides keys after it, window_left
 w >= 0 hides keys before position - w; a custom mask is each request's [qo_len, kv_len] block,
 row-major, concatenated; lse is base 2.
+
+CUDA-graph mode (``BatchDecodeWithPagedKVCacheWrapper(..., use_cuda_graph=True, paged_kv_*_buffer=...)``):
+the batch size is fixed at construction (the last-page-length buffer's length, the indptr
+buffer one longer), ``plan`` refuses another batch size or more page indices than the indices
+buffer holds and copies the layout into the caller's buffers, and ``run`` reads the layout from
+those buffers when it runs, as a captured kernel does at each replay; nothing it learnt at an
+earlier ``plan`` is used.
 """
 
 from __future__ import annotations
@@ -79,13 +86,44 @@ class _Paged(_Wrapper):
 
 
 class BatchDecodeWithPagedKVCacheWrapper(_Paged):
+    def __init__(self, workspace: torch.Tensor, layout: str = "NHD", use_cuda_graph: bool = False,
+                 paged_kv_indptr_buffer: torch.Tensor | None = None,
+                 paged_kv_indices_buffer: torch.Tensor | None = None,
+                 paged_kv_last_page_len_buffer: torch.Tensor | None = None, **kw: Any) -> None:
+        super().__init__(workspace, layout, **kw)
+        self.buffers: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        self.fixed_batch = 0
+        if use_cuda_graph:
+            bufs = (paged_kv_indptr_buffer, paged_kv_indices_buffer, paged_kv_last_page_len_buffer)
+            if not all(isinstance(b, torch.Tensor) for b in bufs):
+                raise ValueError("cudagraph mode needs the three paged_kv_*_buffer tensors")
+            self.buffers = bufs  # type: ignore[assignment]
+            self.fixed_batch = len(bufs[2])
+            if len(bufs[0]) != self.fixed_batch + 1:
+                raise ValueError("The size of paged_kv_indptr_buffer should be batch_size + 1")
+
     def plan(self, indptr: torch.Tensor, indices: torch.Tensor, last: torch.Tensor,
              num_qo_heads: int, num_kv_heads: int, head_dim: int, page_size: int,
              **kwargs: Any) -> None:
-        self._plan_paged(indptr, indices, last, page_size, **kwargs)
+        if self.buffers is None:
+            self._plan_paged(indptr, indices, last, page_size, **kwargs)
+            return
+        if len(last) != self.fixed_batch:
+            raise ValueError(f"The batch size should be fixed in cudagraph mode: {len(last)} "
+                             f"!= {self.fixed_batch}")
+        if len(indices) > len(self.buffers[1]):
+            raise ValueError("The size of indices should be less than or equal to the buffer")
+        self.buffers[0].copy_(indptr)
+        self.buffers[1][:len(indices)].copy_(indices)
+        self.buffers[2].copy_(last)
+        self.plan_args = dict(page_size=page_size, **kwargs)  # no layout: run reads the buffers
 
     def run(self, q: torch.Tensor, cache: tuple[torch.Tensor, torch.Tensor],
             return_lse: bool = False) -> Any:
+        if self.buffers is not None:
+            assert q.shape[0] == self.fixed_batch, "a graph wrapper runs its own batch size"
+            indptr, indices, last = (b.tolist() for b in self.buffers)
+            self.plan_args.update(indptr=indptr, indices=indices[:indptr[-1]], last=last)
         return self._run(q, self._keys(cache), list(range(q.shape[0] + 1)), return_lse)
 
 

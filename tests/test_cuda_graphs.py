@@ -8,6 +8,7 @@ is the captured one).
 
 from __future__ import annotations
 
+import importlib.util
 from pathlib import Path
 from typing import Any
 
@@ -80,3 +81,42 @@ def test_capture_through_backend(ckpts: tuple[Path, Path], backend: str) -> None
     out, info = run(target, draft, 3, allreduce=backend)
     assert out == ref
     assert info["allreduce"] == backend
+
+
+@pytest.fixture(scope="module")
+def fp16_ckpts(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """head_dim 64 in fp16: a model FlashInfer can run (the tiny fp32 one above cannot)."""
+    root = tmp_path_factory.mktemp("fi_graphs")
+    target = make_checkpoint(root / "target", "llama", layers=4, hidden=256, heads=4,
+                             kv_heads=2, vocab=64, intermediate=256, dtype=torch.float16)
+    return target, make_draft(root / "mimic", target, mimic=True)
+
+
+def _generate(args: Any, prompts: list[list[int]]) -> tuple[list[list[int]], dict[str, Any]]:
+    engine = OfflineEngine(args)
+    params = SamplingParams(max_new_tokens=12, temperature=0.0, ignore_eos=True)
+    outs = engine.generate(prompts, params)
+    info = engine.built.runner.graph_info
+    engine.close()
+    return [o.output_ids for o in outs], info
+
+
+@pytest.mark.parametrize("speculative", [False, True])
+@pytest.mark.parametrize("n", [3, 8])
+def test_flashinfer_decode_graphs_match_eager(fp16_ckpts: tuple[Path, Path], n: int,
+                                              speculative: bool) -> None:
+    """Decode graphs replay FlashInfer's CUDA-graph decode (planned per step) over contexts of
+    different lengths in one bucket; with speculation the draft/verify graphs use torch's
+    gather under the same backend. Reference: eager FlashInfer, no graphs, no speculation."""
+    if importlib.util.find_spec("flashinfer") is None:
+        pytest.skip("flashinfer-python is not installed (tests/test_attention_gpu.py fails on it)")
+    target, draft = fp16_ckpts
+    prompts = [[1] + [(7 * i + 3 * j) % 61 + 1 for j in range(5 + 23 * i)] for i in range(n)]
+    common = dict(attention_backend="flashinfer", dtype="float16")
+    ref, info = _generate(args_for(target, None, **{**GPU, **common, "disable_cuda_graph": True}),
+                          prompts)
+    assert info == {"kind": "eager"}
+    out, info = _generate(args_for(target, draft if speculative else None, 3, 2, 6,
+                                   **{**GPU, **common}), prompts)
+    assert info["attention"] == "flashinfer"
+    assert out == ref

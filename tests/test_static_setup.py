@@ -63,3 +63,15 @@ def test_compile_on_cuda_is_refused() -> None:
     with pytest.raises(ConfigError, match="--compile is for CPU"):
         make_executor(ServerArgs(compile=True, disable_cuda_graph=True), [],
                       torch.device("cuda", 0), None, 1, 128)
+
+
+def test_flashinfer_decode_reserve_does_not_grow_with_context() -> None:
+    fi = ModelShape(**{**SHAPE.__dict__, "attention": "flashinfer"})
+    args = ServerArgs(cuda_graph_max_bs=64)
+    short, long = (graph_reserve_bytes(args, fi, ctx, CUDA) for ctx in (4096, 131072))
+    # Only the shared page-index buffer grows: 4 bytes per page of the widest bucket.
+    assert long - short == 64 * (131072 - 4096) // 16 * 4
+    torch_long = graph_reserve_bytes(args, SHAPE, 131072, CUDA)
+    assert torch_long > 100 * long  # the gather over the context limit dominates
+    spec = ServerArgs(cuda_graph_max_bs=64, speculative_algorithm="EAGLE3")
+    assert graph_reserve_bytes(spec, fi, 131072, CUDA) > 10 * long  # verify still gathers

@@ -40,7 +40,6 @@ from tpserve.engine.scheduler import Scheduler, SchedulerConfig
 from tpserve.engine.static_setup import (
     ROTARY_HEADROOM,
     ModelShape,
-    attention_backend_name,
     graph_reserve_bytes,
     install_static,
 )
@@ -123,7 +122,8 @@ def build_engine(args: ServerArgs, on_stage: StageHook = _no_hook) -> BuiltEngin
     context_length = min(args.context_length or cfg.max_position, cfg.max_position)
     tp = TPContext(info.rank, info.world_size, comm, ep_size=args.ep_size)
     max_position = context_length + ROTARY_HEADROOM
-    attention = attention_backend_name(args, info.device)
+    # Any backend runs under CUDA graphs; the model resolves auto for its spec (graphs.py).
+    attention = args.attention_backend
     with stage(f"loading weights ({dtype})", on_stage):
         model = build_model(model_dir, tp, dtype, info.device, max_position, cfg)
         model.set_attention_backend(attention)

@@ -6,12 +6,17 @@ without any CPU launch cost. A batch of b requests is padded to the smallest buc
 with inert requests (dummy page 0 only), so they cannot touch real KV. Batches above the
 largest bucket, and prefill, run eagerly (counted, see ``static_forward.run_static``).
 
-Key span: attention is prepared inside the graph, and the torch backend sizes its key gather
-by the page table's width, fixed at capture to the context limit (plus the speculative
-lookahead). Replays are therefore correct for any context, but the gather and its masked
-columns cost work in proportion to that limit; a graph-capturable paged kernel (FlashInfer's
-CUDA-graph mode) would remove it and is not wired yet, so ``auto`` picks ``torch`` on CUDA when
-graphs are on (``static_setup.graph_attention_backend``).
+Key span: a backend whose preparation is device work (``torch``) is prepared inside the graph
+and sizes its key gather by the static page table's width, fixed at capture to the context
+limit (plus the speculative lookahead): correct for any context, but every replay gathers and
+masks that many keys per layer. ``flashinfer`` instead plans on the host (``AttentionBackend
+.graph_capture`` before capture, ``graph_replan`` with the step's real, bucket-padded layout
+before each replay, O(pages used)); the decode graph runs FlashInfer's CUDA-graph decode over
+fixed buffers, so a replayed decode step attends over the pages its requests use, whatever the
+context limit. Draft and verify graphs (speculative masks) still run the ``torch`` gather at
+the context-limit width under either backend (``flashinfer_backend``). ``auto`` picks
+``flashinfer`` on CUDA where it can run the model (``static_setup.graph_attention_line`` logs
+the choice and, for ``torch``, why).
 
 All graphs share one memory pool (``torch.cuda.graph_pool_handle``): they are replayed one
 at a time, so their intermediates can overlap. Each graph's outputs stay allocated in the
@@ -39,6 +44,7 @@ from tpserve.dist import CommSwitch
 from tpserve.engine.buckets import inert_batch, pad_forward_batch
 from tpserve.engine.forward_batch import ForwardBatch
 from tpserve.engine.static_forward import StaticForward
+from tpserve.layers.attention.base import AttentionBackend
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +63,7 @@ class _Captured:
     batch: ForwardBatch  # static inputs
     extras: dict[str, torch.Tensor]
     outputs: tuple[torch.Tensor, ...]
+    backends: tuple[AttentionBackend, ...] = ()  # planned on the host before each replay
 
 
 class CudaGraphExecutor:
@@ -84,7 +91,10 @@ class CudaGraphExecutor:
         if bucket is None or fb.attn.max_kv_len > self.cfg.max_keys:
             return None
         cap = graphs[bucket]
-        _copy_inputs(cap.batch, pad_forward_batch(fb, bucket))
+        padded = pad_forward_batch(fb, bucket)
+        _copy_inputs(cap.batch, padded)
+        for backend in cap.backends:
+            backend.graph_replan(cap.batch.attn, padded.attn)
         for name_, buf in cap.extras.items():
             buf[:batch].copy_(extras[name_])
             buf[batch:].zero_()
@@ -96,7 +106,7 @@ class CudaGraphExecutor:
         """Recapture just ``forwards`` (e.g. verify/draft after a live speculative change)."""
         for forward in forwards:
             if forward.name in self.graphs:
-                self.graphs.pop(forward.name)
+                self._drop(forward.name)
                 self.capture(forward)
 
     def on_backend_change(self) -> None:
@@ -105,8 +115,13 @@ class CudaGraphExecutor:
         self.backend = self.comm.active_name if self.comm is not None else None
         self.info["allreduce"] = self.backend
         for forward in list(self.forwards.values()):
-            self.graphs.pop(forward.name, None)
+            self._drop(forward.name)
             self.capture(forward)
+
+    def _drop(self, name: str) -> None:
+        for cap in self.graphs.pop(name, {}).values():
+            for backend in cap.backends:
+                backend.graph_release(cap.batch.attn)
 
     @torch.inference_mode()
     def capture(self, forward: StaticForward, progress: Callable[[str], None] = log.info) -> None:
@@ -136,18 +151,28 @@ class CudaGraphExecutor:
                          self.cfg.mask_width.get(forward.name, 0))
         extras = {k: torch.zeros(bs, forward.queries, *shape, dtype=dtype, device=self.device)
                   for k, (shape, dtype) in forward.extras.items()}
-        # Warm up on a side stream: lazy initialisations (cuBLAS handles, NCCL communicators,
-        # autotuning) must happen before capture, where they are not allowed.
-        side = torch.cuda.Stream(self.device)
-        side.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(side):
-            for _ in range(2):
-                forward.fn(fb, extras)
-        torch.cuda.current_stream(self.device).wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
-            outputs = forward.fn(fb, extras)
-        return _Captured(graph, fb, extras, outputs)
+        backends = forward.backends()
+        for backend in backends:  # host-side planning, before (and outside) the capture
+            backend.graph_capture(fb.attn)
+        graph, outputs = _record(forward, fb, extras, self.pool, self.device)
+        return _Captured(graph, fb, extras, outputs, backends)
+
+
+def _record(forward: StaticForward, fb: ForwardBatch, extras: dict[str, torch.Tensor],
+            pool: Any, device: torch.device) -> tuple[Any, tuple[torch.Tensor, ...]]:
+    """Warm ``forward`` up and capture it: (the CUDA graph, its static outputs)."""
+    # Warm up on a side stream: lazy initialisations (cuBLAS handles, NCCL communicators,
+    # autotuning) must happen before capture, where they are not allowed.
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            forward.fn(fb, extras)
+    torch.cuda.current_stream(device).wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        outputs = forward.fn(fb, extras)
+    return graph, outputs
 
 
 def _copy_inputs(static: ForwardBatch, fb: ForwardBatch) -> None:

@@ -24,10 +24,26 @@ import torch
 
 from tpserve.engine.buckets import pad_rows
 from tpserve.engine.forward_batch import ForwardBatch
+from tpserve.layers.attention.base import AttentionBackend
 
 log = logging.getLogger(__name__)
 
 ForwardFn = Callable[[ForwardBatch, dict[str, torch.Tensor]], tuple[torch.Tensor, ...]]
+BackendsFn = Callable[[], tuple[AttentionBackend, ...]]
+
+
+def _no_backends() -> tuple[AttentionBackend, ...]:
+    return ()
+
+
+def attention_of(model: Any) -> BackendsFn:
+    """The attention backend ``model`` has when asked (a live change may replace it); models
+    with their own kind of attention (MLA) have none the executor must plan for."""
+    def backends() -> tuple[AttentionBackend, ...]:
+        backend = getattr(model, "attention", None)
+        return (backend,) if isinstance(backend, AttentionBackend) else ()
+
+    return backends
 
 
 @dataclass(frozen=True)
@@ -37,6 +53,9 @@ class StaticForward:
     fn: ForwardFn
     # extra input name -> (trailing shape after [B, Q], dtype); padded rows are zeros
     extras: dict[str, tuple[tuple[int, ...], torch.dtype]] = field(default_factory=dict)
+    # attention backends the forward prepares: a graph executor gives them their host-side
+    # hooks (graph_capture / graph_replan), since a replay runs no Python
+    backends: BackendsFn = _no_backends
 
 
 class StaticExecutor(Protocol):
@@ -51,7 +70,7 @@ def decode_forward(model: Any, kv_layers: list[Any]) -> StaticForward:
         hidden, _ = model(fb, kv_layers)
         return model.logits(hidden), hidden
 
-    return StaticForward("decode", 1, decode)
+    return StaticForward("decode", 1, decode, backends=attention_of(model))
 
 
 def verify_forward(model: Any, kv_layers: list[Any], draft: Any, aux_sorted: tuple[int, ...],
@@ -61,7 +80,7 @@ def verify_forward(model: Any, kv_layers: list[Any], draft: Any, aux_sorted: tup
         feats = draft.project(torch.cat([aux[i] for i in aux_order], dim=-1))
         return model.logits(hidden), feats
 
-    return StaticForward("verify", num_nodes, verify)
+    return StaticForward("verify", num_nodes, verify, backends=attention_of(model))
 
 
 def draft_forward(draft: Any, embed: Any, cache: Any, topk: int, hidden_size: int,
@@ -71,7 +90,8 @@ def draft_forward(draft: Any, embed: Any, cache: Any, topk: int, hidden_size: in
         out = draft(embed(fb.input_ids.reshape(-1)), hidden, fb, cache)
         return out, torch.log_softmax(draft.logits(out), dim=-1)
 
-    return StaticForward("draft", topk, draft_step, {"hidden": ((hidden_size,), dtype)})
+    return StaticForward("draft", topk, draft_step, {"hidden": ((hidden_size,), dtype)},
+                         attention_of(draft))
 
 
 def run_static(executor: StaticExecutor | None, forward: StaticForward, fb: ForwardBatch,

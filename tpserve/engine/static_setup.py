@@ -9,6 +9,9 @@ up to ``--cuda-graph-max-bs``).
 Memory: ``graph_reserve_bytes`` estimates what capture will take (peak activations of the
 largest bucket, shared through one pool, plus every graph's resident outputs) so the KV
 cache is sized after it; raising ``--cuda-graph-max-bs`` therefore visibly trades KV pages.
+A ``torch`` forward gathers keys up to the context limit, so its estimate grows with the
+context; FlashInfer's decode graphs gather nothing (their wrappers' buffers are counted
+instead), so without speculation a long context costs graphs no more than a short one.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from tpserve.dist import CommSwitch
 from tpserve.engine.buckets import Buckets, default_batch_sizes, round_up
 from tpserve.engine.static_forward import StaticForward
 from tpserve.errors import ConfigError
+from tpserve.layers.attention.registry import unavailable_reason
 
 log = logging.getLogger(__name__)
 
@@ -31,6 +35,9 @@ log = logging.getLogger(__name__)
 # nodes are written there before acceptance. One constant for every builder.
 ROTARY_HEADROOM = 64
 GRAPH_OVERHEAD = 1 << 20  # bytes per captured graph beyond its tensors (rough)
+# FlashInfer allocates an int workspace of this size on the device per decode wrapper (one per
+# bucket), beside the page-index buffers the buckets share.
+FLASHINFER_WRAPPER_BYTES = 8 << 20
 
 
 @dataclass(frozen=True)
@@ -42,13 +49,15 @@ class ModelShape:
     kv_heads_local: int
     head_dim: int
     itemsize: int
+    attention: str = "torch"  # the model's attention backend (what decode graphs replay)
 
     @staticmethod
     def of(model: Any, dtype: torch.dtype) -> ModelShape:
         attn, mlp = model.layers[0].self_attn, model.layers[0].mlp
+        backend = getattr(model, "attention", None)
         return ModelShape(model.lm_head.per_rank * model.tp.size, model.cfg.hidden_size,
                           mlp.inter_local, attn.heads, attn.kv_heads, attn.head_dim,
-                          dtype.itemsize)
+                          dtype.itemsize, getattr(backend, "name", "torch"))
 
 
 def batch_sizes(args: ServerArgs) -> tuple[int, ...]:
@@ -78,10 +87,16 @@ def graph_reserve_bytes(args: ServerArgs, shape: ModelShape, context_length: int
     if not uses_graphs(args, device):
         return 0
     sizes, keys = batch_sizes(args), max_keys(context_length, args.page_size)
-    peak = max(_activation_bytes(shape, sizes[-1], q, keys) for q in forward_queries(args))
+    flashinfer = shape.attention == "flashinfer"
+    # FlashInfer's decode (Q = 1) reads pages in place; speculative forwards gather (torch).
+    peak = max(_activation_bytes(shape, sizes[-1], q, 0 if flashinfer and q == 1 else keys)
+               for q in forward_queries(args))
     out_row = shape.vocab * 4 + shape.hidden * shape.itemsize
     outputs = sum(b * q * out_row for b in sizes for q in forward_queries(args))
-    return peak + outputs + GRAPH_OVERHEAD * len(sizes) * len(forward_queries(args))
+    wrappers = 0
+    if flashinfer:
+        wrappers = FLASHINFER_WRAPPER_BYTES * len(sizes) + sizes[-1] * (keys // args.page_size) * 4
+    return peak + outputs + wrappers + GRAPH_OVERHEAD * len(sizes) * len(forward_queries(args))
 
 
 def _activation_bytes(s: ModelShape, batch: int, queries: int, keys: int) -> int:
@@ -132,16 +147,22 @@ def make_executor(args: ServerArgs, forwards: list[StaticForward], device: torch
     return None
 
 
-def attention_backend_name(args: ServerArgs, device: torch.device) -> str:
-    """``--attention-backend``, resolved for what will run: CUDA graphs prepare attention inside
-    the graph, which only the ``torch`` backend supports so far."""
-    if not uses_graphs(args, device):
-        return args.attention_backend
-    if args.attention_backend in ("auto", "torch"):
-        return "torch"
-    raise ConfigError(f"--attention-backend {args.attention_backend} cannot run inside CUDA "
-                      "graphs yet; use --attention-backend torch, or --disable-cuda-graph",
-                      "--attention-backend")
+def graph_attention_line(requested: str, backend: Any, device: torch.device) -> str:
+    """One log line: the attention backend CUDA graphs replay and what that means for the
+    key span; when ``auto`` fell back to ``torch``, why FlashInfer could not run."""
+    name = getattr(backend, "name", type(backend).__name__)
+    if name == "flashinfer":
+        why = ("decode graphs replay FlashInfer's CUDA-graph decode over the pages each step "
+               "uses; draft/verify graphs gather with torch up to the context limit")
+    elif name == "torch":
+        reason = None
+        if requested == "auto":
+            reason = unavailable_reason("flashinfer", backend.spec, device)
+        why = (reason or f"--attention-backend {requested}") + (
+            "; each replayed step gathers keys up to the context limit")
+    else:
+        why = "the model's own attention"
+    return f"CUDA graphs: attention backend '{name}' ({why})"
 
 
 def install_static(args: ServerArgs, runner: Any, spec: Any, world_size: int,
@@ -155,6 +176,10 @@ def install_static(args: ServerArgs, runner: Any, spec: Any, world_size: int,
     runner.static = executor
     # The executor's own dict: compile times recorded later show up live.
     runner.graph_info = executor.info if executor is not None else {"kind": "eager"}
+    if uses_graphs(args, runner.device):
+        backend = runner.model.attention
+        log.info(graph_attention_line(args.attention_backend, backend, runner.device))
+        runner.graph_info["attention"] = getattr(backend, "name", type(backend).__name__)
     if executor is not None:
         shape = ModelShape.of(runner.model, runner.kv.cfg.dtype)
         reserved = graph_reserve_bytes(args, shape, context_length, runner.device)

@@ -6,6 +6,11 @@ every layer, which calls ``forward(q, k, v, cache, step)``: the backend writes t
 and values into the layer's paged cache and attends over it. Preparing is where a backend
 turns the metadata into whatever its kernels want (index tensors, a FlashInfer plan), so no
 layer repeats that work.
+
+CUDA graphs record ``prepare`` with the forward, so a backend whose preparation is host work
+(a FlashInfer plan) gets two hooks: ``graph_capture(meta)`` once, outside the graph, for the
+graph's static metadata (``prepare`` of that very object must then do no host work), and
+``graph_replan(static, meta)`` before each replay with the step's real, bucket-padded metadata.
 """
 
 from __future__ import annotations
@@ -59,6 +64,20 @@ class AttentionBackend(ABC):
     def prepare(self, meta: AttentionMetadata) -> PreparedStep:
         """Once per step, before the first layer."""
         return PreparedStep(meta)
+
+    def graph_capture(self, static: AttentionMetadata) -> None:
+        """``static`` is a CUDA graph's input metadata, about to be captured (warm-up first).
+        Default: nothing, ``prepare`` is device work the graph records and replays."""
+        return None
+
+    def graph_replan(self, static: AttentionMetadata, meta: AttentionMetadata) -> None:
+        """Before a replay of the graph captured over ``static``: ``meta`` (same batch size) is
+        the step it now runs, already copied into ``static``'s tensors. Default: nothing."""
+        return None
+
+    def graph_release(self, static: AttentionMetadata) -> None:
+        """The graph captured over ``static`` was dropped (recapture). Default: nothing."""
+        return None
 
     @abstractmethod
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVPair,

@@ -15,6 +15,13 @@ host (O(pages used)) and plans once for every layer:
   is given; with kv_lens == mask_start + M (true of draft and verify steps) that is exact for the
   tree part and off by M for the prefix, which the prefix's window_left absorbs.
 
+CUDA graphs (``base.AttentionBackend.graph_capture``): a decode graph gets a graph-mode decode
+wrapper of its batch size (``flashinfer_graphs``), planned on the host at capture and before
+every replay with the step's real layout, so a replayed step reads only its own pages. The
+two-part tree path plans and gathers on the host, which a graph cannot replay, so speculative
+(draft / verify) graphs attend through the ``torch`` backend (gather + SDPA over the static page
+table, as wide as the context limit); eager speculative steps keep the FlashInfer tree path.
+
 ``flashinfer`` is imported only when this backend is built (``pip install tpserve[gpu]``).
 The wrappers keep the step's plan, so one backend instance serves one model (the draft model
 gets its own) and a step must be prepared before its layers run.
@@ -22,6 +29,7 @@ gets its own) and a step must be prepared before its layers run.
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 from dataclasses import dataclass
 from typing import Any
@@ -30,7 +38,9 @@ import numpy as np
 import torch
 
 from tpserve.layers.attention.base import AttentionBackend, AttentionSpec, KVPair, PreparedStep
+from tpserve.layers.attention.flashinfer_graphs import DecodeGraphWrappers
 from tpserve.layers.attention.metadata import AttentionMetadata
+from tpserve.layers.attention.torch_backend import TorchAttention
 
 WORKSPACE_BYTES = 128 << 20  # FlashInfer's recommended split-k workspace
 HEAD_DIMS = (64, 128, 256)
@@ -39,10 +49,16 @@ DTYPES = (torch.float16, torch.bfloat16)
 
 @dataclass(frozen=True)
 class FlashInferStep(PreparedStep):
-    kind: str  # "decode" | "prefill" | "tree"
+    kind: str  # "decode" | "prefill" | "tree" | "graph_decode" | "graph_torch"
     generation: int  # the backend's plan counter when this step was planned
     tree_slots: torch.Tensor | None = None  # [B * M] int64 slots of the tree keys
     has_prefix: bool = True  # tree steps: some request has keys below mask_start
+    wrapper: Any = None  # graph_decode: the bucket's graph-mode wrapper (replanned per replay)
+    inner: PreparedStep | None = None  # graph_torch: the torch backend's step
+
+
+def _is_plain_decode(meta: AttentionMetadata) -> bool:
+    return meta.is_decode and meta.num_rows == meta.batch_size
 
 
 def paged_layout(page_table: np.ndarray, kv_lens: np.ndarray, page_size: int
@@ -86,6 +102,13 @@ class FlashInferAttention(AttentionBackend):
         self._prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self._workspace, "NHD")
         self._ragged = flashinfer.BatchPrefillWithRaggedKVCacheWrapper(self._workspace, "NHD")
         self._generation = 0
+        self._graphs = DecodeGraphWrappers(functools.partial(
+            flashinfer.BatchDecodeWithPagedKVCacheWrapper, self._workspace, "NHD",
+            use_tensor_cores=group >= 4, use_cuda_graph=True), device)
+        # id(static metadata) -> (it, its decode wrapper or None: the torch path). Keyed by
+        # identity because a replay's prepare() sees exactly the object captured.
+        self._static: dict[int, tuple[AttentionMetadata, Any]] = {}
+        self._torch: TorchAttention | None = None
 
     def _common(self) -> dict[str, Any]:
         s = self.spec
@@ -94,15 +117,55 @@ class FlashInferAttention(AttentionBackend):
     def _window_left(self, shift: int = 0) -> int:
         return self.spec.window - 1 - shift if self.spec.window else -1
 
+    def _heads(self, page_size: int) -> tuple[int, int, int, int]:
+        s = self.spec
+        return (s.num_q_heads, s.num_kv_heads, s.head_dim, page_size)
+
+    def _plan_decode(self, wrapper: Any, meta: AttentionMetadata) -> None:
+        layout = paged_layout(meta.host.page_table, meta.host.kv_lens, meta.page_size)
+        wrapper.plan(*layout, *self._heads(meta.page_size), window_left=self._window_left(),
+                     **self._common())
+
+    def graph_capture(self, static: AttentionMetadata) -> None:
+        wrapper = None
+        if _is_plain_decode(static):
+            wrapper = self._graphs.get(static.batch_size, int(static.page_table.shape[1]))
+            self._plan_decode(wrapper, static)  # the warm-up runs on this (inert) layout
+        elif self._torch is None:
+            self._torch = TorchAttention(self.spec, self.device)
+        self._static[id(static)] = (static, wrapper)
+
+    def graph_replan(self, static: AttentionMetadata, meta: AttentionMetadata) -> None:
+        wrapper = self._static[id(static)][1]
+        if wrapper is not None:
+            self._plan_decode(wrapper, meta)
+
+    def graph_release(self, static: AttentionMetadata) -> None:
+        self._static.pop(id(static), None)
+
+    def _graph_step(self, meta: AttentionMetadata) -> FlashInferStep | None:
+        """A graph's static metadata: its step does no host work (see ``graph_capture``)."""
+        entry = self._static.get(id(meta))
+        if entry is None or entry[0] is not meta:
+            return None
+        if entry[1] is not None:
+            return FlashInferStep(meta, "graph_decode", self._generation, wrapper=entry[1])
+        assert self._torch is not None
+        return FlashInferStep(meta, "graph_torch", self._generation,
+                              inner=self._torch.prepare(meta))
+
     def prepare(self, meta: AttentionMetadata) -> FlashInferStep:
+        graph_step = self._graph_step(meta)
+        if graph_step is not None:
+            return graph_step
         self._generation += 1
-        s, host = self.spec, meta.host
-        heads = (s.num_q_heads, s.num_kv_heads, s.head_dim, meta.page_size)
+        host = meta.host
+        heads = self._heads(meta.page_size)
         q_indptr = torch.from_numpy(host.q_indptr)
         if meta.custom_mask is not None:
             return self._prepare_tree(meta)
         layout = paged_layout(host.page_table, host.kv_lens, meta.page_size)
-        if meta.is_decode and meta.num_rows == meta.batch_size:
+        if _is_plain_decode(meta):
             self._decode.plan(*layout, *heads, window_left=self._window_left(), **self._common())
             return FlashInferStep(meta, "decode", self._generation)
         self._prefill.plan(q_indptr, *layout, *heads, causal=True,
@@ -140,7 +203,11 @@ class FlashInferAttention(AttentionBackend):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVPair,
                 step: PreparedStep) -> torch.Tensor:
         assert isinstance(step, FlashInferStep)
-        if step.generation != self._generation:
+        if step.kind == "graph_torch":
+            assert self._torch is not None and step.inner is not None
+            return self._torch.forward(q, k, v, cache, step.inner)
+        # A graph step's plan is renewed before each replay (graph_replan), not by prepare().
+        if step.generation != self._generation and step.kind != "graph_decode":
             raise RuntimeError("flashinfer: this step's plan was replaced by a later prepare()")
         k_cache, v_cache = cache
         slots = step.meta.write_slots
@@ -151,6 +218,8 @@ class FlashInferAttention(AttentionBackend):
         x = q.to(k_cache.dtype).contiguous()  # q sliced from the fused qkv has a row stride
         if step.kind == "decode":
             out = self._decode.run(x, paged)
+        elif step.kind == "graph_decode":
+            out = step.wrapper.run(x, paged)
         elif step.kind == "prefill":
             out = self._prefill.run(x, paged)
         else:
