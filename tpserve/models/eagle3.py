@@ -129,8 +129,9 @@ class Eagle3Draft(nn.Module):
         """embeds, hidden: [N, H] -> pre-norm output [N, H] (fed back as the next feature)."""
         x = torch.cat((self.input_layernorm(embeds), self.hidden_norm(hidden)), dim=-1)
         rotary = self.rotary.at(batch.positions, x.dtype)
-        h = hidden + self.self_attn(x, rotary, bind(self.attention, batch.attn), cache)
-        return h + self.mlp(self.post_attention_layernorm(h))
+        delta = self.self_attn(x, rotary, bind(self.attention, batch.attn), cache)
+        h, normed = self.post_attention_layernorm.add_forward(hidden, delta)
+        return h + self.mlp(normed)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Full draft-vocab logits (float32, identical on every rank)."""
