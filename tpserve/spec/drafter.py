@@ -29,10 +29,11 @@ from tpserve.engine.messages import ForwardStep, SpecStep
 from tpserve.engine.plan import Layout, build_forward_batch
 from tpserve.engine.runner import ForwardOutput, ModelRunner
 from tpserve.engine.static_forward import draft_forward, run_static, verify_forward
+from tpserve.layers.attention.metadata import AttentionMetadata
 from tpserve.models.eagle3 import Eagle3Draft
 from tpserve.spec.config import SpecConfig
 from tpserve.spec.eagle import draft_tree
-from tpserve.spec.tree import DraftTree, slots
+from tpserve.spec.tree import DraftTree, tree_metadata, with_inputs
 
 # Enters a named part of the step: tags its allreduces (and times it on rank 0).
 PhaseScope = Callable[[str], AbstractContextManager[None]]
@@ -176,25 +177,27 @@ class Drafter:
             pages = torch.from_numpy(step.page_table).long()
             committed = torch.from_numpy(step.cached_lens + step.q_lens - 1).long()
             roots = torch.from_numpy(step.token_ids[ends - 1]).long()
+            # Host-side layout of the verify batch, built before drafting queues device work.
+            n = self.cfg.num_draft_tokens
+            cached = committed.numpy().astype(np.int32)
+            verify_meta = tree_metadata(step.page_table, cached, n, cached, n,
+                                        self.runner.page_size, self.runner.device)
             tree = draft_tree(self.draft, self.embed,
                               self.draft_kv.layers[0], root_out, roots, pages, committed,
                               self.cfg, self.draft_kv.cfg.page_size, self._draft_step)
         with phase("verify"):
-            return self._verify(tree, pages, committed)
+            return self._verify(tree, verify_meta, pages, committed)
 
     def _draft_step(self, fb: ForwardBatch, hidden: torch.Tensor
                     ) -> tuple[torch.Tensor, torch.Tensor]:
         out, logp = run_static(self.runner.static, self.draft_forward, fb, {"hidden": hidden})
         return out, logp
 
-    def _verify(self, tree: DraftTree, pages: torch.Tensor, committed: torch.Tensor) -> Verified:
+    def _verify(self, tree: DraftTree, meta: AttentionMetadata, pages: torch.Tensor,
+                committed: torch.Tensor) -> Verified:
         batch, n = tree.tokens.shape
-        cached = committed.numpy().astype(np.int32)
-        layout = Layout(tree.tokens.reshape(-1).numpy(), np.full(batch, n, dtype=np.int32),
-                        cached, pages.numpy())
-        positions = (committed[:, None] + tree.depths).reshape(-1).numpy()
-        fb = build_forward_batch(layout, self.runner.page_size, self.runner.device,
-                                 positions=positions, mask_start=cached, custom_mask=tree.mask)
+        positions = committed.to(tree.depths.device)[:, None] + tree.depths
+        fb = with_inputs(meta, tree.tokens, positions, tree.mask)
         logits, feats = run_static(self.runner.static, self.verify_forward, fb, {})
         return Verified(tree, logits.view(batch, n, -1), feats.view(batch, n, -1), pages,
                         committed)
@@ -202,17 +205,25 @@ class Drafter:
     @torch.inference_mode()
     def commit(self, keys: np.ndarray, verified: Verified, paths: list[list[int]]) -> None:
         """Compact accepted target KV to consecutive slots; keep the path's features."""
-        src, dst = [], []
+        rows, src, dst = [], [], []
         for b, (key, path) in enumerate(zip(keys.tolist(), paths, strict=True)):
-            base = int(verified.committed[b])
-            moved = [(base + node, base + i) for i, node in enumerate(path) if node != i]
-            if moved:
-                s, d = zip(*moved, strict=True)
-                page_row = verified.pages[b : b + 1]
-                src.append(slots(page_row, torch.tensor([s]), self.runner.page_size))
-                dst.append(slots(page_row, torch.tensor([d]), self.runner.page_size))
+            moved = [(node, i) for i, node in enumerate(path) if node != i]
+            rows += [b] * len(moved)
+            src += [node for node, _ in moved]
+            dst += [i for _, i in moved]
             self.pending[key] = verified.features[b, path]
-        if src:
+        if rows:
             device = self.runner.device
-            self.runner.kv.move_slots(torch.cat(src, 1)[0].to(device),
-                                      torch.cat(dst, 1)[0].to(device))
+            pages = verified.pages.numpy()
+            base = verified.committed.numpy()[rows]
+            self.runner.kv.move_slots(
+                torch.from_numpy(page_slots(pages, rows, base + src, self.runner.page_size)
+                                 ).to(device),
+                torch.from_numpy(page_slots(pages, rows, base + dst, self.runner.page_size)
+                                 ).to(device))
+
+
+def page_slots(pages: np.ndarray, rows: list[int], logical: np.ndarray,
+               page_size: int) -> np.ndarray:
+    """Cache slots of logical indices ``logical`` of requests ``rows`` (``pages`` [B, P])."""
+    return pages[rows, logical // page_size] * page_size + logical % page_size

@@ -6,6 +6,11 @@ proposals: with p the target distribution at a node, try its children in order a
 child c with probability p(c); on rejection set p(c) = 0 and renormalise; if every child is
 rejected, draw the bonus from what remains. Each emitted token is then distributed exactly as
 p, so the output matches plain sampling.
+
+The host reads back only what acceptance needs, once for the whole batch: the tree, the
+target argmax at every node, and for sampled requests each child's probability under its
+parent, every node's total mass and one uniform per node; then one residual row per sampled
+request for its bonus token, drawn on the generator's device.
 """
 
 from __future__ import annotations
@@ -24,6 +29,14 @@ class Accepted:
     tokens: list[int]  # tokens appended: accepted draft tokens then the bonus token
 
 
+@dataclass(frozen=True)
+class Walk:
+    """A sampled request's accepted path before its bonus token is drawn."""
+
+    path: list[int]
+    rejected: list[int]  # tokens rejected at the path's last node (zero in its residual)
+
+
 def children_of(parents: list[int]) -> list[list[int]]:
     kids: list[list[int]] = [[] for _ in parents]
     for node, parent in enumerate(parents):
@@ -32,9 +45,8 @@ def children_of(parents: list[int]) -> list[list[int]]:
     return kids
 
 
-def accept_greedy(tokens: list[int], parents: list[int], logits: torch.Tensor) -> Accepted:
-    """``logits`` [N, V] at each node; ties resolve to the lowest id like ``sample``."""
-    best = logits.argmax(dim=-1).tolist()
+def greedy_path(tokens: list[int], parents: list[int], best: list[int]) -> Accepted:
+    """``best`` [N]: the target argmax at each node."""
     kids = children_of(parents)
     node, path = 0, [0]
     while True:
@@ -45,26 +57,40 @@ def accept_greedy(tokens: list[int], parents: list[int], logits: torch.Tensor) -
         path.append(node)
 
 
-def accept_sampled(tokens: list[int], parents: list[int], probs: torch.Tensor,
-                   generator: torch.Generator) -> Accepted:
-    """``probs`` [N, V]: the target distribution at each node (``target_probs``)."""
+def accept_greedy(tokens: list[int], parents: list[int], logits: torch.Tensor) -> Accepted:
+    """``logits`` [N, V] at each node; ties resolve to the lowest id like ``sample``."""
+    return greedy_path(tokens, parents, logits.argmax(dim=-1).tolist())
+
+
+def walk_sampled(tokens: list[int], parents: list[int], child_mass: list[float],
+                 node_mass: list[float], uniforms: list[float]) -> Walk:
+    """Rejection-sample a path: ``child_mass[c]`` = p_parent(c)(token c), ``node_mass[n]`` =
+    the total of p_n, ``uniforms[c]`` the draw that decides child c (each is tried once)."""
     kids = children_of(parents)
     node, path = 0, [0]
     while True:
-        residual = probs[node].double().clone()
-        hit = None
+        remaining, rejected, hit = node_mass[node], [], None
         for child in kids[node]:
             token = tokens[child]
-            mass = float(residual[token] / residual.sum())
-            if float(torch.rand((), generator=generator, dtype=torch.float64)) < mass:
+            fresh = token not in rejected  # a repeated token's residual mass is already 0
+            mass = child_mass[child] / remaining if fresh and remaining > 0 else 0.0
+            if uniforms[child] < mass:
                 hit = child
                 break
-            residual[token] = 0.0
+            if fresh:
+                rejected.append(token)
+                remaining -= child_mass[child]
         if hit is None:
-            bonus = int(torch.multinomial(residual / residual.sum(), 1, generator=generator))
-            return Accepted(path, [tokens[n] for n in path[1:]] + [bonus])
+            return Walk(path, rejected)
         node = hit
         path.append(node)
+
+
+def accept_sampled(tokens: list[int], parents: list[int], probs: torch.Tensor,
+                   generator: torch.Generator) -> Accepted:
+    """``probs`` [N, V]: the target distribution at each node (``target_probs``)."""
+    tree = torch.tensor([tokens, parents], device=probs.device)
+    return _accept_sampled_rows(tree[0:1], tree[1:2], probs[None], [generator])[0]
 
 
 def node_logits(reqs: list[Request], tree_tokens: torch.Tensor, parents: torch.Tensor,
@@ -97,21 +123,54 @@ def node_logits(reqs: list[Request], tree_tokens: torch.Tensor, parents: torch.T
 def accept_batch(reqs: list[Request], tree_tokens: torch.Tensor, parents: torch.Tensor,
                  logits: torch.Tensor) -> list[Accepted]:
     """Accept per request; ``logits`` [B, N, V] already penalised per node."""
-    results = []
+    best = logits.argmax(dim=-1)
+    host = torch.stack([best, tree_tokens.to(best.device), parents.to(best.device)]).tolist()
+    results = [greedy_path(host[1][b], host[2][b], host[0][b]) for b in range(len(reqs))]
     sampled = [b for b, r in enumerate(reqs) if not r.params.greedy]
-    probs = {}
     if sampled:
         rows = logits[sampled].reshape(-1, logits.shape[-1])
         params = [reqs[b].params for b in sampled for _ in range(logits.shape[1])]
-        table = target_probs(rows, params).view(len(sampled), logits.shape[1], -1)
-        probs = {b: table[i] for i, b in enumerate(sampled)}
-    for b, req in enumerate(reqs):
-        toks, pars = tree_tokens[b].tolist(), parents[b].tolist()
-        if b in probs:
-            results.append(accept_sampled(toks, pars, probs[b].cpu(), req.generator))
-        else:
-            results.append(accept_greedy(toks, pars, logits[b]))
+        probs = target_probs(rows, params).view(len(sampled), logits.shape[1], -1)
+        index = torch.tensor(sampled, device=logits.device)
+        done = _accept_sampled_rows(tree_tokens.to(logits.device)[index],
+                                    parents.to(logits.device)[index], probs,
+                                    [reqs[b].generator for b in sampled])
+        for b, acc in zip(sampled, done, strict=True):
+            results[b] = acc
     return results
+
+
+def _accept_sampled_rows(tokens: torch.Tensor, parents: torch.Tensor, probs: torch.Tensor,
+                         generators: list[torch.Generator]) -> list[Accepted]:
+    """Rejection sampling for S requests: ``tokens/parents`` [S, N], ``probs`` [S, N, V]."""
+    batch, n, vocab = probs.shape
+    flat = parents.clamp(min=0) * vocab + tokens  # a child's token in its parent's row
+    child_mass = probs.reshape(batch, n * vocab).gather(1, flat).double()
+    node_mass = probs.sum(dim=-1, dtype=torch.float64)
+    uniforms = torch.stack([torch.rand(n, generator=g, device=g.device, dtype=torch.float64)
+                            .to(probs.device) for g in generators])
+    host = torch.stack([child_mass, node_mass, uniforms,
+                        tokens.double(), parents.double()]).tolist()
+    walks = [walk_sampled([int(t) for t in host[3][s]], [int(p) for p in host[4][s]],
+                          host[0][s], host[1][s], host[2][s]) for s in range(batch)]
+    ends = torch.tensor([w.path[-1] for w in walks], device=probs.device)
+    residual = probs[torch.arange(batch, device=probs.device), ends].double()
+    for s, walk in enumerate(walks):
+        if walk.rejected:
+            residual[s, walk.rejected] = 0.0
+    bonus = torch.cat([_draw(residual[s], probs[s, ends[s]], g)
+                       for s, g in enumerate(generators)]).tolist()
+    return [Accepted(w.path, [int(host[3][s][i]) for i in w.path[1:]] + [bonus[s]])
+            for s, w in enumerate(walks)]
+
+
+def _draw(residual: torch.Tensor, row: torch.Tensor, generator: torch.Generator
+          ) -> torch.Tensor:
+    """One token from ``residual`` (the node's distribution less its rejected children) on
+    the generator's device. A residual that rounding left empty falls back to the row."""
+    total = residual.sum()
+    weights = torch.where(total > 0, residual / total.clamp(min=1e-300), row.double())
+    return torch.multinomial(weights.to(generator.device), 1, generator=generator)
 
 
 def token_logprobs(req: Request, acc: Accepted, logits: torch.Tensor) -> list | None:
