@@ -8,6 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from tests.checkpoints import make_checkpoint
 from tests.eagle_checkpoints import make_draft
@@ -158,3 +159,27 @@ def test_greedy_path_is_accept_greedy_on_host_lists() -> None:
     tokens, parents = [9, 1, 2, 3, 4], [-1, 0, 0, 1, 2]
     best = logits.argmax(-1).tolist()
     assert greedy_path(tokens, parents, best) == accept_greedy(tokens, parents, logits)
+
+
+class _NoScalarReads(TorchDispatchMode):
+    """Fails on any op that reads a tensor's value back to Python (``item``, ``bool``, ...):
+    on a GPU each one waits for the device."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+        if func is torch.ops.aten._local_scalar_dense.default:
+            raise AssertionError("a host read of a device value inside drafting")
+        return func(*args, **(kwargs or {}))
+
+
+def test_draft_tree_reads_nothing_back(tmp_path: Path) -> None:
+    target = make_checkpoint(tmp_path / "t", "llama", layers=4, vocab=40)
+    draft_dir = make_draft(tmp_path / "d", target, draft_ids=list(range(0, 40, 3)))
+    draft = build_eagle3(draft_dir, load_eagle3_config(draft_dir), TPContext.single(),
+                         torch.float32, torch.device("cpu"), 64)
+    kv = KVCache(KVCacheConfig.gqa(16, 4, 1, 2, 16, torch.float32), torch.device("cpu"))
+    pages, committed = torch.tensor([[1, 2, 3, 4], [5, 6, 7, 8]]), torch.tensor([3, 6])
+    start = torch.randn(2, 64)
+    with torch.no_grad(), _NoScalarReads():
+        tree = draft_tree(draft, torch.nn.Embedding(40, 64), kv.layers[0], start,
+                          torch.tensor([5, 7]), pages, committed, SpecConfig(4, 2, 8), 4)
+    assert tree.tokens.shape == (2, 8)

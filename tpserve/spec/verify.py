@@ -123,10 +123,14 @@ def node_logits(reqs: list[Request], tree_tokens: torch.Tensor, parents: torch.T
 def accept_batch(reqs: list[Request], tree_tokens: torch.Tensor, parents: torch.Tensor,
                  logits: torch.Tensor) -> list[Accepted]:
     """Accept per request; ``logits`` [B, N, V] already penalised per node."""
-    best = logits.argmax(dim=-1)
-    host = torch.stack([best, tree_tokens.to(best.device), parents.to(best.device)]).tolist()
-    results = [greedy_path(host[1][b], host[2][b], host[0][b]) for b in range(len(reqs))]
     sampled = [b for b, r in enumerate(reqs) if not r.params.greedy]
+    results: list[Accepted | None] = [None] * len(reqs)
+    if len(sampled) < len(reqs):
+        best = logits.argmax(dim=-1)
+        host = torch.stack([best, tree_tokens.to(best.device), parents.to(best.device)]).tolist()
+        for b, req in enumerate(reqs):
+            if req.params.greedy:
+                results[b] = greedy_path(host[1][b], host[2][b], host[0][b])
     if sampled:
         rows = logits[sampled].reshape(-1, logits.shape[-1])
         params = [reqs[b].params for b in sampled for _ in range(logits.shape[1])]
@@ -137,7 +141,7 @@ def accept_batch(reqs: list[Request], tree_tokens: torch.Tensor, parents: torch.
                                     [reqs[b].generator for b in sampled])
         for b, acc in zip(sampled, done, strict=True):
             results[b] = acc
-    return results
+    return [r for r in results if r is not None]
 
 
 def _accept_sampled_rows(tokens: torch.Tensor, parents: torch.Tensor, probs: torch.Tensor,
@@ -147,30 +151,36 @@ def _accept_sampled_rows(tokens: torch.Tensor, parents: torch.Tensor, probs: tor
     flat = parents.clamp(min=0) * vocab + tokens  # a child's token in its parent's row
     child_mass = probs.reshape(batch, n * vocab).gather(1, flat).double()
     node_mass = probs.sum(dim=-1, dtype=torch.float64)
-    uniforms = torch.stack([torch.rand(n, generator=g, device=g.device, dtype=torch.float64)
-                            .to(probs.device) for g in generators])
+    uniforms = torch.stack([_on(torch.rand(n, generator=g, device=g.device, dtype=torch.float64),
+                                probs.device) for g in generators])
     host = torch.stack([child_mass, node_mass, uniforms,
                         tokens.double(), parents.double()]).tolist()
     walks = [walk_sampled([int(t) for t in host[3][s]], [int(p) for p in host[4][s]],
                           host[0][s], host[1][s], host[2][s]) for s in range(batch)]
-    ends = torch.tensor([w.path[-1] for w in walks], device=probs.device)
-    residual = probs[torch.arange(batch, device=probs.device), ends].double()
-    for s, walk in enumerate(walks):
-        if walk.rejected:
-            residual[s, walk.rejected] = 0.0
-    bonus = torch.cat([_draw(residual[s], probs[s, ends[s]], g)
-                       for s, g in enumerate(generators)]).tolist()
+    bonus = _draw_bonus(probs, walks, generators)
     return [Accepted(w.path, [int(host[3][s][i]) for i in w.path[1:]] + [bonus[s]])
             for s, w in enumerate(walks)]
 
 
-def _draw(residual: torch.Tensor, row: torch.Tensor, generator: torch.Generator
-          ) -> torch.Tensor:
-    """One token from ``residual`` (the node's distribution less its rejected children) on
-    the generator's device. A residual that rounding left empty falls back to the row."""
-    total = residual.sum()
-    weights = torch.where(total > 0, residual / total.clamp(min=1e-300), row.double())
-    return torch.multinomial(weights.to(generator.device), 1, generator=generator)
+def _draw_bonus(probs: torch.Tensor, walks: list[Walk], generators: list[torch.Generator]
+                ) -> list[int]:
+    """Each request's bonus token from its last node's distribution less the rejected
+    children (multinomial normalises the weights itself), on the generator's device. A
+    residual that rounding left empty falls back to the node's whole distribution."""
+    batch = len(walks)
+    rows = probs[torch.arange(batch, device=probs.device),
+                 torch.tensor([w.path[-1] for w in walks], device=probs.device)].double()
+    hit = [(s, t) for s, w in enumerate(walks) for t in w.rejected]
+    residual = rows.clone()
+    if hit:
+        residual[torch.tensor(hit, device=probs.device).T.unbind()] = 0.0
+    residual = torch.where(residual.sum(dim=1, keepdim=True) > 0, residual, rows)
+    return torch.cat([torch.multinomial(_on(residual[s], g.device), 1, generator=g)
+                      for s, g in enumerate(generators)]).tolist()
+
+
+def _on(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    return t if t.device == device else t.to(device)
 
 
 def token_logprobs(req: Request, acc: Accepted, logits: torch.Tensor) -> list | None:
