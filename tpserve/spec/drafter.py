@@ -148,7 +148,7 @@ class Drafter:
         feats = torch.cat(rows).to(device=device, dtype=self.draft.fc.weight.dtype)
         out = self.draft(self.embed(fb.input_ids), feats, fb,
                          self.draft_kv.layers[0])
-        last = torch.from_numpy(np.maximum(np.cumsum(lens) - 1, 0)).to(device)
+        last = torch.from_numpy(np.maximum(np.cumsum(lens) - 1, 0)).to(device, non_blocking=True)
         return out.index_select(0, last)
 
     def _remember_page_ends(self, rows: list[torch.Tensor], starts: list[int],
@@ -160,7 +160,9 @@ class Drafter:
                 continue  # no page ends inside this run
             offsets = torch.arange((-(start + 1)) % ps, len(r), ps)
             pages = torch.from_numpy(page_table[b, (start + offsets.numpy()) // ps]).long()
-            self.page_features[pages.to(self.page_features.device)] = r[offsets.to(r.device)]
+            dev = self.page_features.device
+            self.page_features[pages.to(dev, non_blocking=True)] = r[
+                offsets.to(r.device, non_blocking=True)]
 
     @torch.inference_mode()
     def run(self, step: SpecStep, phase: PhaseScope) -> Verified:
@@ -196,7 +198,7 @@ class Drafter:
     def _verify(self, tree: DraftTree, meta: AttentionMetadata, pages: torch.Tensor,
                 committed: torch.Tensor) -> Verified:
         batch, n = tree.tokens.shape
-        positions = committed.to(tree.depths.device)[:, None] + tree.depths
+        positions = committed.to(tree.depths.device, non_blocking=True)[:, None] + tree.depths
         fb = with_inputs(meta, tree.tokens, positions, tree.mask)
         logits, feats = run_static(self.runner.static, self.verify_forward, fb, {})
         return Verified(tree, logits.view(batch, n, -1), feats.view(batch, n, -1), pages,
@@ -204,26 +206,31 @@ class Drafter:
 
     @torch.inference_mode()
     def commit(self, keys: np.ndarray, verified: Verified, paths: list[list[int]]) -> None:
-        """Compact accepted target KV to consecutive slots; keep the path's features."""
-        rows, src, dst = [], [], []
-        for b, (key, path) in enumerate(zip(keys.tolist(), paths, strict=True)):
-            moved = [(node, i) for i, node in enumerate(path) if node != i]
-            rows += [b] * len(moved)
-            src += [node for node, _ in moved]
-            dst += [i for _, i in moved]
-            self.pending[key] = verified.features[b, path]
-        if rows:
-            device = self.runner.device
-            pages = verified.pages.numpy()
-            base = verified.committed.numpy()[rows]
-            self.runner.kv.move_slots(
-                torch.from_numpy(page_slots(pages, rows, base + src, self.runner.page_size)
-                                 ).to(device),
-                torch.from_numpy(page_slots(pages, rows, base + dst, self.runner.page_size)
-                                 ).to(device))
+        """Compact accepted target KV to consecutive slots; keep the path's features.
+
+        Host-built indices travel with non-blocking copies: nothing here waits for the device.
+        """
+        device = self.runner.device
+        lens = np.array([len(p) for p in paths], dtype=np.int64)
+        rows = np.repeat(np.arange(len(paths)), lens)
+        nodes = np.array([n for p in paths for n in p], dtype=np.int64)
+        kept = verified.features[torch.from_numpy(rows).to(device, non_blocking=True),
+                                 torch.from_numpy(nodes).to(device, non_blocking=True)]
+        for key, feats in zip(keys.tolist(), kept.split(lens.tolist()), strict=True):
+            self.pending[key] = feats
+        # Node n at position i of its path moves down to committed + i (n >= i).
+        position = np.arange(len(nodes)) - np.repeat(np.cumsum(lens) - lens, lens)
+        moved = nodes != position
+        if moved.any():
+            pages, base = verified.pages.numpy(), verified.committed.numpy()[rows[moved]]
+            ps = self.runner.page_size
+            src = page_slots(pages, rows[moved], base + nodes[moved], ps)
+            dst = page_slots(pages, rows[moved], base + position[moved], ps)
+            self.runner.kv.move_slots(torch.from_numpy(src).to(device, non_blocking=True),
+                                      torch.from_numpy(dst).to(device, non_blocking=True))
 
 
-def page_slots(pages: np.ndarray, rows: list[int], logical: np.ndarray,
+def page_slots(pages: np.ndarray, rows: np.ndarray, logical: np.ndarray,
                page_size: int) -> np.ndarray:
     """Cache slots of logical indices ``logical`` of requests ``rows`` (``pages`` [B, P])."""
     return pages[rows, logical // page_size] * page_size + logical % page_size

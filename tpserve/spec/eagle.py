@@ -41,9 +41,11 @@ def draft_tree(draft: Eagle3Draft, embed: nn.Module, cache: tuple[torch.Tensor, 
     """
     batch, hidden = start.shape
     k, device = cfg.topk, start.device
+    # Every host-to-device copy is queued before the loop, none waits for the device.
     metas = draft_step_metadata(pages.numpy(), committed.numpy().astype("int32"), k,
                                 cfg.num_steps, page_size, device)
-    base_positions = committed.to(device)[:, None].expand(batch, k)
+    base_positions = committed.to(device, non_blocking=True)[:, None].expand(batch, k)
+    roots = roots.to(device, non_blocking=True)
     score, ids = torch.log_softmax(draft.logits(start), dim=-1).topk(k, dim=-1)
     tokens = draft.to_target(ids)
     scores, cands, parents = [score], [tokens], [torch.full_like(ids, -1)]
@@ -76,5 +78,5 @@ def draft_tree(draft: Eagle3Draft, embed: nn.Module, cache: tuple[torch.Tensor, 
             1, parent_beam[:, :, None].expand(batch, k, hidden))
         ancestors = own.gather(1, parent_beam[:, :, None].expand(batch, k, own.shape[2]))
         offset += k * k
-    return select_tree(roots.to(device), torch.cat(scores, 1), torch.cat(cands, 1),
+    return select_tree(roots, torch.cat(scores, 1), torch.cat(cands, 1),
                        torch.cat(parents, 1), cfg.num_draft_tokens, cfg.num_steps)

@@ -104,8 +104,8 @@ def node_logits(reqs: list[Request], tree_tokens: torch.Tensor, parents: torch.T
         return logits
     batch, n, vocab = logits.shape
     flat_params, prompts, outputs = [], [], []
-    for b, req in enumerate(reqs):
-        toks, pars = tree_tokens[b].tolist(), parents[b].tolist()
+    all_toks, all_pars = torch.stack([tree_tokens, parents.to(tree_tokens.device)]).tolist()
+    for req, toks, pars in zip(reqs, all_toks, all_pars, strict=True):
         for i in range(n):
             path = []
             node = i
