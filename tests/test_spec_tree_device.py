@@ -15,12 +15,14 @@ from tests.eagle_checkpoints import make_draft
 from tpserve.engine.forward_batch import ForwardBatch
 from tpserve.engine.kv_cache import KVCache, KVCacheConfig
 from tpserve.engine.plan import Layout, build_forward_batch
+from tpserve.engine.sampler import target_probs
+from tpserve.engine.sampling_params import SamplingParams
 from tpserve.layers.tp import TPContext
 from tpserve.models.eagle3 import build_eagle3, load_eagle3_config
 from tpserve.spec.config import SpecConfig
 from tpserve.spec.eagle import draft_tree
 from tpserve.spec.tree import select_tree
-from tpserve.spec.verify import accept_greedy, greedy_path
+from tpserve.spec.verify import accept_batch, accept_greedy, accept_sampled, greedy_path
 
 
 def old_select_tree(roots: torch.Tensor, scores: torch.Tensor, tokens: torch.Tensor,
@@ -183,3 +185,29 @@ def test_draft_tree_reads_nothing_back(tmp_path: Path) -> None:
         tree = draft_tree(draft, torch.nn.Embedding(40, 64), kv.layers[0], start,
                           torch.tensor([5, 7]), pages, committed, SpecConfig(4, 2, 8), 4)
     assert tree.tokens.shape == (2, 8)
+
+
+class _Req:
+    def __init__(self, greedy: bool, seed: int) -> None:
+        self.params = SamplingParams(temperature=0.0 if greedy else 0.8, max_new_tokens=4)
+        self.generator = torch.Generator().manual_seed(seed)
+
+
+def test_accept_batch_mixed_equals_per_request() -> None:
+    """A batch mixing greedy and sampled requests decides each exactly as alone (each
+    sampled request draws from its own generator, whatever the batch)."""
+    gen = torch.Generator().manual_seed(7)
+    batch, vocab = 6, 12
+    tokens = torch.randint(0, vocab, (batch, 5), generator=gen)
+    parents = torch.tensor([[-1, 0, 0, 1, 2]] * batch)
+    logits = torch.randn(batch, 5, vocab, generator=gen) * 2
+    reqs = [_Req(b % 2 == 0, b) for b in range(batch)]
+    got = accept_batch(reqs, tokens, parents, logits)  # type: ignore[arg-type]
+    for b, req in enumerate(reqs):
+        toks, pars = tokens[b].tolist(), parents[b].tolist()
+        if req.params.greedy:
+            assert got[b] == accept_greedy(toks, pars, logits[b])
+        else:
+            probs = target_probs(logits[b], [req.params] * 5)
+            alone = accept_sampled(toks, pars, probs, torch.Generator().manual_seed(b))
+            assert got[b] == alone

@@ -132,12 +132,13 @@ def accept_batch(reqs: list[Request], tree_tokens: torch.Tensor, parents: torch.
             if req.params.greedy:
                 results[b] = greedy_path(host[1][b], host[2][b], host[0][b])
     if sampled:
-        rows = logits[sampled].reshape(-1, logits.shape[-1])
+        tree = torch.stack([tree_tokens, parents]).to(logits.device)
+        if len(sampled) < len(reqs):  # only the sampled requests' rows
+            index = torch.tensor(sampled, device=logits.device)
+            logits, tree = logits[index], tree[:, index]
         params = [reqs[b].params for b in sampled for _ in range(logits.shape[1])]
-        probs = target_probs(rows, params).view(len(sampled), logits.shape[1], -1)
-        index = torch.tensor(sampled, device=logits.device)
-        done = _accept_sampled_rows(tree_tokens.to(logits.device)[index],
-                                    parents.to(logits.device)[index], probs,
+        probs = target_probs(logits.reshape(-1, logits.shape[-1]), params).view(logits.shape)
+        done = _accept_sampled_rows(tree[0], tree[1], probs,
                                     [reqs[b].generator for b in sampled])
         for b, acc in zip(sampled, done, strict=True):
             results[b] = acc
@@ -165,7 +166,7 @@ def _accept_sampled_rows(tokens: torch.Tensor, parents: torch.Tensor, probs: tor
 def _draw_bonus(probs: torch.Tensor, walks: list[Walk], generators: list[torch.Generator]
                 ) -> list[int]:
     """Each request's bonus token from its last node's distribution less the rejected
-    children (multinomial normalises the weights itself), on the generator's device. A
+    children, on the generator's device. A
     residual that rounding left empty falls back to the node's whole distribution."""
     batch = len(walks)
     rows = probs[torch.arange(batch, device=probs.device),
@@ -175,7 +176,8 @@ def _draw_bonus(probs: torch.Tensor, walks: list[Walk], generators: list[torch.G
     if hit:
         residual[torch.tensor(hit, device=probs.device).T.unbind()] = 0.0
     residual = torch.where(residual.sum(dim=1, keepdim=True) > 0, residual, rows)
-    return torch.cat([torch.multinomial(_on(residual[s], g.device), 1, generator=g)
+    weights = residual / residual.sum(dim=1, keepdim=True)  # as plain sampling draws
+    return torch.cat([torch.multinomial(_on(weights[s], g.device), 1, generator=g)
                       for s, g in enumerate(generators)]).tolist()
 
 
