@@ -63,19 +63,24 @@ class KVCache:
     def __init__(self, cfg: KVCacheConfig, device: torch.device) -> None:
         self.cfg = cfg
         slots = cfg.num_pages * cfg.page_size
+        # One tensor per entry across layers ([layers, slots, heads, dim]); each layer reads a
+        # contiguous view of it, and moving slots is one gather/scatter over every layer.
         # zeros, not empty: the dummy page must hold finite values (0 * NaN would poison SDPA),
         # and large zeroed CPU allocations are lazily backed by the OS anyway.
+        self.pools: tuple[torch.Tensor, ...] = tuple(
+            torch.zeros((cfg.layout.num_layers, slots, h, d), dtype=cfg.dtype, device=device)
+            for h, d in cfg.layout.entries)
         self.layers: list[tuple[torch.Tensor, ...]] = [
-            tuple(torch.zeros((slots, h, d), dtype=cfg.dtype, device=device)
-                  for h, d in cfg.layout.entries)
-            for _ in range(cfg.layout.num_layers)
-        ]
+            tuple(pool[i] for pool in self.pools) for i in range(cfg.layout.num_layers)]
 
     def move_slots(self, src: torch.Tensor, dst: torch.Tensor) -> None:
-        """Copy KV entries slot-wise (used to compact accepted speculative tokens)."""
-        for entries in self.layers:
-            for t in entries:
-                t[dst] = t[src]
+        """Copy KV entries slot-wise in every layer (compacts accepted speculative tokens).
+
+        Every source is read before any destination is written, so ``src`` and ``dst`` may
+        overlap (a compacted path shifts its nodes down onto each other's slots).
+        """
+        for pool in self.pools:
+            pool.index_copy_(1, dst, pool.index_select(1, src))
 
 
 class PageAllocator:

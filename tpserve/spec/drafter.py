@@ -29,10 +29,11 @@ from tpserve.engine.messages import ForwardStep, SpecStep
 from tpserve.engine.plan import Layout, build_forward_batch
 from tpserve.engine.runner import ForwardOutput, ModelRunner
 from tpserve.engine.static_forward import draft_forward, run_static, verify_forward
+from tpserve.layers.attention.metadata import AttentionMetadata
 from tpserve.models.eagle3 import Eagle3Draft
 from tpserve.spec.config import SpecConfig
 from tpserve.spec.eagle import draft_tree
-from tpserve.spec.tree import DraftTree, slots
+from tpserve.spec.tree import DraftTree, tree_metadata, with_inputs
 
 # Enters a named part of the step: tags its allreduces (and times it on rank 0).
 PhaseScope = Callable[[str], AbstractContextManager[None]]
@@ -147,7 +148,7 @@ class Drafter:
         feats = torch.cat(rows).to(device=device, dtype=self.draft.fc.weight.dtype)
         out = self.draft(self.embed(fb.input_ids), feats, fb,
                          self.draft_kv.layers[0])
-        last = torch.from_numpy(np.maximum(np.cumsum(lens) - 1, 0)).to(device)
+        last = torch.from_numpy(np.maximum(np.cumsum(lens) - 1, 0)).to(device, non_blocking=True)
         return out.index_select(0, last)
 
     def _remember_page_ends(self, rows: list[torch.Tensor], starts: list[int],
@@ -159,7 +160,9 @@ class Drafter:
                 continue  # no page ends inside this run
             offsets = torch.arange((-(start + 1)) % ps, len(r), ps)
             pages = torch.from_numpy(page_table[b, (start + offsets.numpy()) // ps]).long()
-            self.page_features[pages.to(self.page_features.device)] = r[offsets.to(r.device)]
+            dev = self.page_features.device
+            self.page_features[pages.to(dev, non_blocking=True)] = r[
+                offsets.to(r.device, non_blocking=True)]
 
     @torch.inference_mode()
     def run(self, step: SpecStep, phase: PhaseScope) -> Verified:
@@ -176,44 +179,59 @@ class Drafter:
             pages = torch.from_numpy(step.page_table).long()
             committed = torch.from_numpy(step.cached_lens + step.q_lens - 1).long()
             roots = torch.from_numpy(step.token_ids[ends - 1]).long()
+            # Host-side layout of the verify batch, built before drafting queues device work.
+            n = self.cfg.num_draft_tokens
+            cached = committed.numpy().astype(np.int32)
+            verify_meta = tree_metadata(step.page_table, cached, n, cached, n,
+                                        self.runner.page_size, self.runner.device)
             tree = draft_tree(self.draft, self.embed,
                               self.draft_kv.layers[0], root_out, roots, pages, committed,
                               self.cfg, self.draft_kv.cfg.page_size, self._draft_step)
         with phase("verify"):
-            return self._verify(tree, pages, committed)
+            return self._verify(tree, verify_meta, pages, committed)
 
     def _draft_step(self, fb: ForwardBatch, hidden: torch.Tensor
                     ) -> tuple[torch.Tensor, torch.Tensor]:
         out, logp = run_static(self.runner.static, self.draft_forward, fb, {"hidden": hidden})
         return out, logp
 
-    def _verify(self, tree: DraftTree, pages: torch.Tensor, committed: torch.Tensor) -> Verified:
+    def _verify(self, tree: DraftTree, meta: AttentionMetadata, pages: torch.Tensor,
+                committed: torch.Tensor) -> Verified:
         batch, n = tree.tokens.shape
-        cached = committed.numpy().astype(np.int32)
-        layout = Layout(tree.tokens.reshape(-1).numpy(), np.full(batch, n, dtype=np.int32),
-                        cached, pages.numpy())
-        positions = (committed[:, None] + tree.depths).reshape(-1).numpy()
+        positions = committed.to(tree.depths.device, non_blocking=True)[:, None] + tree.depths
         self.runner.threads.fit(batch * n)
-        fb = build_forward_batch(layout, self.runner.page_size, self.runner.device,
-                                 positions=positions, mask_start=cached, custom_mask=tree.mask)
+        fb = with_inputs(meta, tree.tokens, positions, tree.mask)
         logits, feats = run_static(self.runner.static, self.verify_forward, fb, {})
         return Verified(tree, logits.view(batch, n, -1), feats.view(batch, n, -1), pages,
                         committed)
 
     @torch.inference_mode()
     def commit(self, keys: np.ndarray, verified: Verified, paths: list[list[int]]) -> None:
-        """Compact accepted target KV to consecutive slots; keep the path's features."""
-        src, dst = [], []
-        for b, (key, path) in enumerate(zip(keys.tolist(), paths, strict=True)):
-            base = int(verified.committed[b])
-            moved = [(base + node, base + i) for i, node in enumerate(path) if node != i]
-            if moved:
-                s, d = zip(*moved, strict=True)
-                page_row = verified.pages[b : b + 1]
-                src.append(slots(page_row, torch.tensor([s]), self.runner.page_size))
-                dst.append(slots(page_row, torch.tensor([d]), self.runner.page_size))
-            self.pending[key] = verified.features[b, path]
-        if src:
-            device = self.runner.device
-            self.runner.kv.move_slots(torch.cat(src, 1)[0].to(device),
-                                      torch.cat(dst, 1)[0].to(device))
+        """Compact accepted target KV to consecutive slots; keep the path's features.
+
+        Host-built indices travel with non-blocking copies: nothing here waits for the device.
+        """
+        device = self.runner.device
+        lens = np.array([len(p) for p in paths], dtype=np.int64)
+        rows = np.repeat(np.arange(len(paths)), lens)
+        nodes = np.array([n for p in paths for n in p], dtype=np.int64)
+        kept = verified.features[torch.from_numpy(rows).to(device, non_blocking=True),
+                                 torch.from_numpy(nodes).to(device, non_blocking=True)]
+        for key, feats in zip(keys.tolist(), kept.split(lens.tolist()), strict=True):
+            self.pending[key] = feats
+        # Node n at position i of its path moves down to committed + i (n >= i).
+        position = np.arange(len(nodes)) - np.repeat(np.cumsum(lens) - lens, lens)
+        moved = nodes != position
+        if moved.any():
+            pages, base = verified.pages.numpy(), verified.committed.numpy()[rows[moved]]
+            ps = self.runner.page_size
+            src = page_slots(pages, rows[moved], base + nodes[moved], ps)
+            dst = page_slots(pages, rows[moved], base + position[moved], ps)
+            self.runner.kv.move_slots(torch.from_numpy(src).to(device, non_blocking=True),
+                                      torch.from_numpy(dst).to(device, non_blocking=True))
+
+
+def page_slots(pages: np.ndarray, rows: np.ndarray, logical: np.ndarray,
+               page_size: int) -> np.ndarray:
+    """Cache slots of logical indices ``logical`` of requests ``rows`` (``pages`` [B, P])."""
+    return pages[rows, logical // page_size] * page_size + logical % page_size

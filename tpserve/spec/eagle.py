@@ -5,6 +5,10 @@ Depth 1 comes from the draft's output at the root's predecessor; each later step
 as EAGLE feeds the draft its own features) and proposes topk children for each. Only
 deterministic ops (log_softmax, topk, stable sort) touch the all-gathered draft logits, so
 every rank proposes the same tree without communicating.
+
+Nothing in the loop reads the device back: the batch layout of every depth (slots, key
+counts, positions) follows from ``committed`` and the fixed beam width, so it is built before
+the loop, and the beam's tokens and ancestor masks stay device tensors.
 """
 
 from __future__ import annotations
@@ -17,43 +21,47 @@ from torch import nn
 from tpserve.engine.forward_batch import ForwardBatch
 from tpserve.models.eagle3 import Eagle3Draft
 from tpserve.spec.config import SpecConfig
-from tpserve.spec.tree import DraftTree, draft_step_batch, select_tree
+from tpserve.spec.tree import DraftTree, draft_step_metadata, select_tree, with_inputs
 
 # (batch over B x K beam nodes, beam hidden [B, K, H]) -> (draft out [B*K, H], log-probs)
 DraftStep = Callable[[ForwardBatch, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 
 
-def draft_tree(draft: Eagle3Draft, embed: nn.Module, cache: tuple[torch.Tensor, torch.Tensor],
+def draft_tree(draft: Eagle3Draft, embed: nn.Module, cache: tuple[torch.Tensor, ...],
                start: torch.Tensor, roots: torch.Tensor, pages: torch.Tensor,
                committed: torch.Tensor, cfg: SpecConfig, page_size: int,
                step_fn: DraftStep | None = None) -> DraftTree:
-    """Propose a tree per request.
+    """Propose a tree per request (on ``start``'s device).
 
     ``start`` [B, H]: the draft's output for the root token (it predicts depth 1);
-    ``roots`` [B]: root token ids; ``committed`` [B]: draft KV entries already committed
-    (temporary nodes go right after them). Returns a tree of ``cfg.num_draft_tokens`` nodes.
-    ``step_fn`` runs one draft step (a CUDA graph / compiled phase); default: eager.
+    ``roots`` [B]: root token ids; ``pages`` [B, P] / ``committed`` [B] (host tensors): page
+    table and draft KV entries already committed (temporary nodes go right after them).
+    Returns a tree of ``cfg.num_draft_tokens`` nodes. ``step_fn`` runs one draft step (a CUDA
+    graph / compiled phase); default: eager.
     """
     batch, hidden = start.shape
     k, device = cfg.topk, start.device
+    # Every host-to-device copy is queued before the loop, none waits for the device.
+    metas = draft_step_metadata(pages.numpy(), committed.numpy().astype("int32"), k,
+                                cfg.num_steps, page_size, device)
+    base_positions = committed.to(device, non_blocking=True)[:, None].expand(batch, k)
+    roots = roots.to(device, non_blocking=True)
     score, ids = torch.log_softmax(draft.logits(start), dim=-1).topk(k, dim=-1)
     tokens = draft.to_target(ids)
     scores, cands, parents = [score], [tokens], [torch.full_like(ids, -1)]
     beam_hidden = start[:, None, :].expand(batch, k, hidden)
     beam_score, beam_tokens = score, tokens
     beam_cand = torch.arange(k, device=device).expand(batch, k)
-    ancestors = torch.zeros(batch, k, 0, dtype=torch.bool)
+    ancestors = torch.zeros(batch, k, 0, dtype=torch.bool, device=device)
+    eye = torch.eye(k, dtype=torch.bool, device=device).expand(batch, k, k)
     offset = k
-    for step in range(cfg.num_steps - 1):
-        own = torch.cat([ancestors, torch.eye(k, dtype=torch.bool).expand(batch, k, k)], dim=2)
-        positions = (committed + step)[:, None].expand(batch, k)
-        fb = draft_step_batch(beam_tokens.cpu(), pages, committed, step, positions, own,
-                              page_size, device)
+    for step, meta in enumerate(metas):
+        own = torch.cat([ancestors, eye], dim=2)
+        fb = with_inputs(meta, beam_tokens, base_positions + step, own)
         if step_fn is not None:
             out, logp = step_fn(fb, beam_hidden)
         else:
-            out = draft(embed(beam_tokens.reshape(-1)), beam_hidden.reshape(-1, hidden), fb,
-                        cache)
+            out = draft(embed(fb.input_ids), beam_hidden.reshape(-1, hidden), fb, cache)
             logp = torch.log_softmax(draft.logits(out), dim=-1)
         logp = logp.view(batch, k, -1)
         top_score, top_ids = logp.topk(k, dim=-1)  # [B, K(parent beam), K(child)]
@@ -68,7 +76,7 @@ def draft_tree(draft: Eagle3Draft, embed: nn.Module, cache: tuple[torch.Tensor, 
         beam_cand = offset + pick
         beam_hidden = out.view(batch, k, hidden).gather(
             1, parent_beam[:, :, None].expand(batch, k, hidden))
-        ancestors = own.gather(1, parent_beam.cpu()[:, :, None].expand(batch, k, own.shape[2]))
+        ancestors = own.gather(1, parent_beam[:, :, None].expand(batch, k, own.shape[2]))
         offset += k * k
-    return select_tree(roots.cpu(), torch.cat(scores, 1).cpu(), torch.cat(cands, 1).cpu(),
-                       torch.cat(parents, 1).cpu(), cfg.num_draft_tokens)
+    return select_tree(roots, torch.cat(scores, 1), torch.cat(cands, 1),
+                       torch.cat(parents, 1), cfg.num_draft_tokens, cfg.num_steps)

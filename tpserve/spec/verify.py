@@ -6,6 +6,11 @@ proposals: with p the target distribution at a node, try its children in order a
 child c with probability p(c); on rejection set p(c) = 0 and renormalise; if every child is
 rejected, draw the bonus from what remains. Each emitted token is then distributed exactly as
 p, so the output matches plain sampling.
+
+The host reads back only what acceptance needs, once for the whole batch: the tree, the
+target argmax at every node, and for sampled requests each child's probability under its
+parent, every node's total mass and one uniform per node; then one residual row per sampled
+request for its bonus token, drawn on the generator's device.
 """
 
 from __future__ import annotations
@@ -24,6 +29,14 @@ class Accepted:
     tokens: list[int]  # tokens appended: accepted draft tokens then the bonus token
 
 
+@dataclass(frozen=True)
+class Walk:
+    """A sampled request's accepted path before its bonus token is drawn."""
+
+    path: list[int]
+    rejected: list[int]  # tokens rejected at the path's last node (zero in its residual)
+
+
 def children_of(parents: list[int]) -> list[list[int]]:
     kids: list[list[int]] = [[] for _ in parents]
     for node, parent in enumerate(parents):
@@ -32,9 +45,8 @@ def children_of(parents: list[int]) -> list[list[int]]:
     return kids
 
 
-def accept_greedy(tokens: list[int], parents: list[int], logits: torch.Tensor) -> Accepted:
-    """``logits`` [N, V] at each node; ties resolve to the lowest id like ``sample``."""
-    best = logits.argmax(dim=-1).tolist()
+def greedy_path(tokens: list[int], parents: list[int], best: list[int]) -> Accepted:
+    """``best`` [N]: the target argmax at each node."""
     kids = children_of(parents)
     node, path = 0, [0]
     while True:
@@ -45,26 +57,40 @@ def accept_greedy(tokens: list[int], parents: list[int], logits: torch.Tensor) -
         path.append(node)
 
 
-def accept_sampled(tokens: list[int], parents: list[int], probs: torch.Tensor,
-                   generator: torch.Generator) -> Accepted:
-    """``probs`` [N, V]: the target distribution at each node (``target_probs``)."""
+def accept_greedy(tokens: list[int], parents: list[int], logits: torch.Tensor) -> Accepted:
+    """``logits`` [N, V] at each node; ties resolve to the lowest id like ``sample``."""
+    return greedy_path(tokens, parents, logits.argmax(dim=-1).tolist())
+
+
+def walk_sampled(tokens: list[int], parents: list[int], child_mass: list[float],
+                 node_mass: list[float], uniforms: list[float]) -> Walk:
+    """Rejection-sample a path: ``child_mass[c]`` = p_parent(c)(token c), ``node_mass[n]`` =
+    the total of p_n, ``uniforms[c]`` the draw that decides child c (each is tried once)."""
     kids = children_of(parents)
     node, path = 0, [0]
     while True:
-        residual = probs[node].double().clone()
-        hit = None
+        remaining, rejected, hit = node_mass[node], [], None
         for child in kids[node]:
             token = tokens[child]
-            mass = float(residual[token] / residual.sum())
-            if float(torch.rand((), generator=generator, dtype=torch.float64)) < mass:
+            fresh = token not in rejected  # a repeated token's residual mass is already 0
+            mass = child_mass[child] / remaining if fresh and remaining > 0 else 0.0
+            if uniforms[child] < mass:
                 hit = child
                 break
-            residual[token] = 0.0
+            if fresh:
+                rejected.append(token)
+                remaining -= child_mass[child]
         if hit is None:
-            bonus = int(torch.multinomial(residual / residual.sum(), 1, generator=generator))
-            return Accepted(path, [tokens[n] for n in path[1:]] + [bonus])
+            return Walk(path, rejected)
         node = hit
         path.append(node)
+
+
+def accept_sampled(tokens: list[int], parents: list[int], probs: torch.Tensor,
+                   generator: torch.Generator) -> Accepted:
+    """``probs`` [N, V]: the target distribution at each node (``target_probs``)."""
+    tree = torch.tensor([tokens, parents], device=probs.device)
+    return _accept_sampled_rows(tree[0:1], tree[1:2], probs[None], [generator])[0]
 
 
 def node_logits(reqs: list[Request], tree_tokens: torch.Tensor, parents: torch.Tensor,
@@ -78,8 +104,8 @@ def node_logits(reqs: list[Request], tree_tokens: torch.Tensor, parents: torch.T
         return logits
     batch, n, vocab = logits.shape
     flat_params, prompts, outputs = [], [], []
-    for b, req in enumerate(reqs):
-        toks, pars = tree_tokens[b].tolist(), parents[b].tolist()
+    all_toks, all_pars = torch.stack([tree_tokens, parents.to(tree_tokens.device)]).tolist()
+    for req, toks, pars in zip(reqs, all_toks, all_pars, strict=True):
         for i in range(n):
             path = []
             node = i
@@ -97,21 +123,66 @@ def node_logits(reqs: list[Request], tree_tokens: torch.Tensor, parents: torch.T
 def accept_batch(reqs: list[Request], tree_tokens: torch.Tensor, parents: torch.Tensor,
                  logits: torch.Tensor) -> list[Accepted]:
     """Accept per request; ``logits`` [B, N, V] already penalised per node."""
-    results = []
     sampled = [b for b, r in enumerate(reqs) if not r.params.greedy]
-    probs = {}
+    results: list[Accepted | None] = [None] * len(reqs)
+    if len(sampled) < len(reqs):
+        best = logits.argmax(dim=-1)
+        host = torch.stack([best, tree_tokens.to(best.device), parents.to(best.device)]).tolist()
+        for b, req in enumerate(reqs):
+            if req.params.greedy:
+                results[b] = greedy_path(host[1][b], host[2][b], host[0][b])
     if sampled:
-        rows = logits[sampled].reshape(-1, logits.shape[-1])
+        tree = torch.stack([tree_tokens, parents]).to(logits.device)
+        if len(sampled) < len(reqs):  # only the sampled requests' rows
+            index = torch.tensor(sampled, device=logits.device)
+            logits, tree = logits[index], tree[:, index]
         params = [reqs[b].params for b in sampled for _ in range(logits.shape[1])]
-        table = target_probs(rows, params).view(len(sampled), logits.shape[1], -1)
-        probs = {b: table[i] for i, b in enumerate(sampled)}
-    for b, req in enumerate(reqs):
-        toks, pars = tree_tokens[b].tolist(), parents[b].tolist()
-        if b in probs:
-            results.append(accept_sampled(toks, pars, probs[b].cpu(), req.generator))
-        else:
-            results.append(accept_greedy(toks, pars, logits[b]))
-    return results
+        probs = target_probs(logits.reshape(-1, logits.shape[-1]), params).view(logits.shape)
+        done = _accept_sampled_rows(tree[0], tree[1], probs,
+                                    [reqs[b].generator for b in sampled])
+        for b, acc in zip(sampled, done, strict=True):
+            results[b] = acc
+    return [r for r in results if r is not None]
+
+
+def _accept_sampled_rows(tokens: torch.Tensor, parents: torch.Tensor, probs: torch.Tensor,
+                         generators: list[torch.Generator]) -> list[Accepted]:
+    """Rejection sampling for S requests: ``tokens/parents`` [S, N], ``probs`` [S, N, V]."""
+    batch, n, vocab = probs.shape
+    flat = parents.clamp(min=0) * vocab + tokens  # a child's token in its parent's row
+    child_mass = probs.reshape(batch, n * vocab).gather(1, flat).double()
+    node_mass = probs.sum(dim=-1, dtype=torch.float64)
+    uniforms = torch.stack([_on(torch.rand(n, generator=g, device=g.device, dtype=torch.float64),
+                                probs.device) for g in generators])
+    host = torch.stack([child_mass, node_mass, uniforms,
+                        tokens.double(), parents.double()]).tolist()
+    walks = [walk_sampled([int(t) for t in host[3][s]], [int(p) for p in host[4][s]],
+                          host[0][s], host[1][s], host[2][s]) for s in range(batch)]
+    bonus = _draw_bonus(probs, walks, generators)
+    return [Accepted(w.path, [int(host[3][s][i]) for i in w.path[1:]] + [bonus[s]])
+            for s, w in enumerate(walks)]
+
+
+def _draw_bonus(probs: torch.Tensor, walks: list[Walk], generators: list[torch.Generator]
+                ) -> list[int]:
+    """Each request's bonus token from its last node's distribution less the rejected
+    children, on the generator's device. A
+    residual that rounding left empty falls back to the node's whole distribution."""
+    batch = len(walks)
+    rows = probs[torch.arange(batch, device=probs.device),
+                 torch.tensor([w.path[-1] for w in walks], device=probs.device)].double()
+    hit = [(s, t) for s, w in enumerate(walks) for t in w.rejected]
+    residual = rows.clone()
+    if hit:
+        residual[torch.tensor(hit, device=probs.device).T.unbind()] = 0.0
+    residual = torch.where(residual.sum(dim=1, keepdim=True) > 0, residual, rows)
+    weights = residual / residual.sum(dim=1, keepdim=True)  # as plain sampling draws
+    return torch.cat([torch.multinomial(_on(weights[s], g.device), 1, generator=g)
+                      for s, g in enumerate(generators)]).tolist()
+
+
+def _on(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    return t if t.device == device else t.to(device)
 
 
 def token_logprobs(req: Request, acc: Accepted, logits: torch.Tensor) -> list | None:
