@@ -96,7 +96,7 @@ def test_silu_mul_bits(dtype: torch.dtype, rows: int) -> None:
     assert torch.equal(torch.ops.tpserve.silu_mul(x), fused.silu_mul_reference(x))
 
 
-def test_dispatchers_use_the_references_off_cpu() -> None:
+def test_dispatchers_agree_with_the_references() -> None:
     """``fused.*`` call the ops on CPU; the references (what CUDA runs) agree with them."""
     x = _rand(3, 64, dtype=torch.bfloat16, seed=4)
     w = torch.ones(64, dtype=torch.bfloat16)

@@ -7,9 +7,10 @@ tiny ops gain nothing from a second thread, but an OpenMP region's fork-join bar
 every team thread: with as many busy threads as cores (the HTTP thread streaming tokens,
 another rank or process) one region waited milliseconds for a descheduled thread. Measured on
 the 2-vCPU Xeon with a build running beside it, batch-1 decode of the 80 MB bench model in
-the engine loop, alternating rounds: 60 tok/s with torch at 2 threads, 111 at 1. Larger steps (prefill, wide batches whose projections are oneDNN
-gemms) keep every thread. The count stays set after the step, so sampling and the speculative
-phases that follow run with the step's setting.
+the engine loop, alternating rounds: 60 tok/s with torch at 2 threads, 111 at 1. Larger
+steps (prefill, wide batches whose projections are oneDNN gemms) keep every thread. The count
+stays set after the step, so sampling and the speculative phases that follow run with the
+step's setting.
 """
 
 from __future__ import annotations

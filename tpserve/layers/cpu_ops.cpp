@@ -82,22 +82,6 @@ at::Tensor matmul(const at::Tensor &x, const at::Tensor &weight) {
     return at::linear(x, weight);
 }
 
-constexpr int kPartials = 8;
-
-// sum(x[i]^2) / n in fp64: lane j of the partials takes elements j, j + 8, ...; partials are
-// then added pairwise (0+4, 1+5, ... then 0+2, 1+3, then 0+1); the leftover elements follow.
-float row_mean_square(const float *x, int64_t n) {
-    double part[kPartials] = {0};
-    int64_t i = 0;
-    for (; i + kPartials <= n; i += kPartials)
-        for (int j = 0; j < kPartials; j++) part[j] += (double)x[i + j] * (double)x[i + j];
-    for (int width = kPartials / 2; width > 0; width /= 2)
-        for (int j = 0; j < width; j++) part[j] += part[j + width];
-    double sum = part[0];
-    for (; i < n; i++) sum += (double)x[i] * (double)x[i];
-    return (float)(sum / (double)n);
-}
-
 // Rows up to which the loop runs on any thread count. It is single-threaded (at::parallel_for
 // would need this library built with OpenMP, a second runtime beside torch's), so larger
 // inputs (prefill) with several threads keep ATen's parallel pow + mean.
@@ -115,7 +99,7 @@ at::Tensor mean_square(const at::Tensor &x) {
     const float *src = x.const_data_ptr<float>();
     float *dst = out.mutable_data_ptr<float>();
     const int64_t rows = out.numel();
-    for (int64_t r = 0; r < rows; r++) dst[r] = row_mean_square(src + r * n, n);
+    for (int64_t r = 0; r < rows; r++) dst[r] = fused_mean_square(src + r * n, n);  // fused.c
     return out;
 }
 

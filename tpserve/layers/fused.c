@@ -50,8 +50,9 @@ static inline __attribute__((always_inline)) float fused_round(float v, int dt) 
     return v;
 }
 
-/* mean(x^2) of one fp32 row, summed as cpu_ops.cpp's mean_square does: 8 fp64 partials over
- * elements j, j + 8, ..., folded pairwise, then the leftovers, one rounding at the end. */
+/* mean(x^2) of one fp32 row (also tpserve::mean_square's per-row sum, cpu_ops.cpp): 8 fp64
+ * partials over elements j, j + 8, ..., folded pairwise (0+4, 1+5, ... then 0+2, 1+3, then
+ * 0+1), then the leftovers, one rounding at the end. */
 static inline float fused_mean_square(const float *x, int64_t n) {
     double part[8] = {0};
     int64_t i = 0;

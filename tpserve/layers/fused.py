@@ -35,11 +35,20 @@ def rotate_half(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.
     return x * cos + rotated * sin
 
 
+def qk_heads(qkv: torch.Tensor, q_heads: int, kv_heads: int, head_dim: int
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [N, q_heads, D] and k [N, kv_heads, D] (views where possible) of a fused qkv
+    projection [N, (q_heads + 2 kv_heads) * D]."""
+    n, q_size = qkv.shape[0], q_heads * head_dim
+    q = qkv[:, :q_size].reshape(n, q_heads, head_dim)
+    k = qkv[:, q_size : q_size + kv_heads * head_dim].reshape(n, kv_heads, head_dim)
+    return q, k
+
+
 def rotary_qk_reference(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, q_heads: int,
                         kv_heads: int, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
     n = qkv.shape[0]
-    q = qkv[:, : q_heads * head_dim].reshape(n, q_heads, head_dim)
-    k = qkv[:, q_heads * head_dim : (q_heads + kv_heads) * head_dim].reshape(n, kv_heads, head_dim)
+    q, k = qk_heads(qkv, q_heads, kv_heads, head_dim)
     cos, sin = cos.reshape(n, 1, head_dim), sin.reshape(n, 1, head_dim)
     return rotate_half(q, cos, sin), rotate_half(k, cos, sin)
 

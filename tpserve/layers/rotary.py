@@ -127,11 +127,7 @@ class RotaryAt:
         [N, (q_heads + 2 kv_heads) * D]: one op for the NeoX layout (``fused.rotary_qk``)."""
         if self.rotate is _rotate:
             return fused.rotary_qk(qkv, self.cos, self.sin, q_heads, kv_heads, head_dim)
-        n = qkv.shape[0]
-        q = qkv[:, : q_heads * head_dim].reshape(n, q_heads, head_dim)
-        k = qkv[:, q_heads * head_dim : (q_heads + kv_heads) * head_dim].reshape(
-            n, kv_heads, head_dim)
-        return self(q, k)
+        return self(*fused.qk_heads(qkv, q_heads, kv_heads, head_dim))
 
 
 _rotate = fused.rotate_half

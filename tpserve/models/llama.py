@@ -51,9 +51,7 @@ class Attention(nn.Module):
         if self.q_norm is None:  # split and rotate in one op where the rotary layout allows
             q, k = rotary.split_qk(qkv, self.heads, self.kv_heads, d)
         else:
-            q = qkv[:, : self.heads * d].reshape(n, self.heads, d)
-            k = qkv[:, self.heads * d : (self.heads + self.kv_heads) * d].reshape(
-                n, self.kv_heads, d)
+            q, k = fused.qk_heads(qkv, self.heads, self.kv_heads, d)
             q, k = rotary(self.q_norm(q), self.k_norm(k))
         return self.o_proj(attend(q, k, v, cache))
 
