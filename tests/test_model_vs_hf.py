@@ -107,3 +107,47 @@ def test_greedy_generation_matches_hf_tp2(checkpoints: dict[str, Path]) -> None:
     for arch, path in paths.items():
         for ids, got in zip(PROMPTS, ours[arch]):
             assert got == hf_greedy(path, ids, 32), arch
+
+
+# head_dim 32 (hidden 128 over 4 heads): the native CPU attention and, with it, the native
+# layer stack (fused_decoder) run every decode step; the checkpoints above (head_dim 16) take
+# the Python layers on AVX-512 machines.
+WIDE = ("llama", "qwen2")
+
+
+@pytest.fixture(scope="module")
+def wide_checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("wide")
+    return {a: make_checkpoint(root / a, a, hidden=128) for a in WIDE}
+
+
+def _rank_greedy_stacked(rank: int, world: int, paths: dict[str, Path]
+                         ) -> dict[str, tuple[list[list[int]], str]]:
+    out = {}
+    for arch, path in paths.items():
+        built = build(path)
+        reason = built.runner.model.stack_reason if built.runner.model.stack is None else ""
+        if built.engine is not None:
+            reqs = [make_request(f"r{i}", p, GREEDY) for i, p in enumerate(PROMPTS)]
+            out[arch] = (run_all(built.engine, reqs), reason)
+            built.shutdown_followers()
+        else:
+            built.follow()
+            out[arch] = ([], reason)
+        if built.channel is not None:
+            built.channel.close()
+    return out
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_native_layer_stack_greedy_matches_hf(wide_checkpoints: dict[str, Path],
+                                              world: int) -> None:
+    results = spawn(world, _rank_greedy_stacked, wide_checkpoints) if world > 1 else \
+        [_rank_greedy_stacked(0, 1, wide_checkpoints)]
+    for arch, path in wide_checkpoints.items():
+        for rank in range(world):
+            assert results[rank][arch][1] in ("", "attention backend is not 'cpu'"), arch
+        if results[0][arch][1]:
+            pytest.skip(f"native CPU attention unavailable here: {results[0][arch][1]}")
+        for ids, got in zip(PROMPTS, results[0][arch][0], strict=True):
+            assert got == hf_greedy(path, ids, 32), (arch, world)

@@ -252,3 +252,6 @@ TORCH_LIBRARY_IMPL(tpserve, CPU, m) {
     m.impl("silu_mul", &silu_mul);
     m.impl("greedy_logprob", &greedy_logprob);
 }
+
+// The decoder layer as one op per half (after the ops it calls are defined and registered).
+#include "decoder_stack.cpp"

@@ -15,6 +15,7 @@ from tpserve.engine.kv_cache import KVLayout
 from tpserve.layers import fused
 from tpserve.layers.attention import Attend, AttentionBackend, AttentionSpec, bind
 from tpserve.layers.attention import create as create_attention
+from tpserve.layers.fused_decoder import DecoderStack
 from tpserve.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from tpserve.layers.norm import RMSNorm
 from tpserve.layers.rotary import RotaryAt, RotaryEmbedding
@@ -106,6 +107,37 @@ class LlamaForCausalLM(DecoderLM):
         weight = self.embed_tokens.weight
         spec = self.layers[0].self_attn.attention_spec(weight.dtype, self.cfg.sliding_window)
         self.attention: AttentionBackend = create_attention(name, spec, weight.device)
+        self.refresh_stack()
+
+    def finish_loading(self) -> None:
+        super().finish_loading()
+        self.refresh_stack()
+
+    def refresh_stack(self) -> None:
+        """The native layer stack for the current backend and weights (None where it does not
+        apply; ``stack_reason`` says why, for the server info)."""
+        self.stack, self.stack_reason = DecoderStack.of(self)
+
+    def forward(self, batch: ForwardBatch, kv: list[KVPair],
+                aux_layers: tuple[int, ...] = ()) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """The shared layer loop, or on CPU steps of a few tokens the same layers as native
+        ops (``fused_decoder``; bit-equal hidden states)."""
+        stack = self.stack
+        if stack is None or not DecoderStack.fits(batch.input_ids):
+            return super().forward(batch, kv, aux_layers)
+        x = self.embed_tokens(batch.input_ids)
+        rotary = self.rotary.at(batch.positions, x.dtype)
+        meta, spec = self.attention.prepare(batch.attn).meta, self.attention.spec
+        aux: list[torch.Tensor] = []
+        start = 0
+        for end in sorted({i for i in aux_layers if i < self.cfg.num_layers}
+                          | {self.cfg.num_layers}):
+            x = stack.run(x, rotary.cos, rotary.sin, meta, spec.window, spec.scale, kv, start,
+                          end)
+            if end in aux_layers:
+                aux.append(x)
+            start = end
+        return self.norm(x), aux
 
     def bind_attention(self, batch: ForwardBatch) -> Attend:
         return bind(self.attention, batch.attn)  # the per-step preparation, done once

@@ -1,0 +1,166 @@
+// The Llama-family decoder layer as one call per layer half (or one call for the whole stack),
+// for CPU steps of a few tokens (decode, speculative verify, small mixed steps).
+//
+// Why: a batch-1 decode step of the 8-layer bench model spends ~2.2 ms streaming weights and,
+// with every layer in Python, ~1.2 ms more dispatching ~14 ops a layer from Python (module
+// calls, argument parsing, the dispatcher). Here the same ops run from C++: the same kernels in
+// the same order with the same roundings (norms, projections, rotary, paged attention, SiLU,
+// residual adds), so the outputs are bit-equal to the Python layer (tests/test_decoder_stack.py).
+//
+// Ops (fused_decoder.py is the Python side and says when they apply):
+// tpserve::decoder_attn_block(x, delta?, ...) -> (x', o): x' = x + delta (x when none: the
+//   residual add the previous layer's MLP left), o = o_proj(attention(rotary(qkv_proj(
+//   rms_norm(x'))))) -- this rank's partial sum, which a tensor-parallel caller reduces.
+// tpserve::decoder_mlp_block(x, delta, ...) -> (x', m): x' = x + delta (delta = the reduced
+//   attention output), m = down(silu(gate) * up)(rms_norm(x')), partial like o.
+// tpserve::decoder_layers(x, weights, caches, ...) -> x after every layer, for one rank (no
+//   reduction between the halves): one call a step instead of two a layer.
+//
+// Attention is tpserve::paged_attention (cpu_attention.cpp, a separate library), called through
+// the dispatcher; the rest are this library's own functions (cpu_ops.cpp includes this file).
+
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/ops/add.h>
+
+namespace {
+
+// Per-step attention inputs shared by every layer (see cpu_backend.py's forward).
+struct StepAttention {
+    const at::Tensor &cos, &sin, &page_table, &q_indptr, &kv_lens, &write_slots;
+    const std::optional<at::Tensor> &mask_start, &custom_mask;
+    int64_t page_size, window;
+    double scale;
+    int64_t q_heads, kv_heads, head_dim;
+};
+
+at::Tensor paged_attention_call(const at::Tensor &q, const at::Tensor &k, const at::Tensor &v,
+                                at::Tensor &k_cache, at::Tensor &v_cache, const StepAttention &s) {
+    using Fn = at::Tensor(const at::Tensor &, const at::Tensor &, const at::Tensor &,
+                          at::Tensor &, at::Tensor &, const at::Tensor &, const at::Tensor &,
+                          const at::Tensor &, const at::Tensor &,
+                          const std::optional<at::Tensor> &, const std::optional<at::Tensor> &,
+                          int64_t, int64_t, double);
+    // Looked up at the first call: the attention library loads after this one.
+    static const auto op = c10::Dispatcher::singleton()
+                               .findSchemaOrThrow("tpserve::paged_attention", "")
+                               .typed<Fn>();
+    return op.call(q, k, v, k_cache, v_cache, s.page_table, s.q_indptr, s.kv_lens, s.write_slots,
+                   s.mask_start, s.custom_mask, s.page_size, s.window, s.scale);
+}
+
+// linear.py's linear() for the rows it sends to tpserve::matmul: y = x W^T, then `y + bias`.
+at::Tensor project(const at::Tensor &x, const at::Tensor &weight,
+                   const std::optional<at::Tensor> &bias) {
+    at::Tensor y = matmul(x, weight);
+    return bias.has_value() ? at::add(y, *bias) : y;
+}
+
+std::tuple<at::Tensor, at::Tensor> attn_block(const at::Tensor &x_in,
+                                              const std::optional<at::Tensor> &delta,
+                                              const at::Tensor &norm_w, const at::Tensor &qkv_w,
+                                              const std::optional<at::Tensor> &qkv_b,
+                                              const at::Tensor &o_w,
+                                              const std::optional<at::Tensor> &o_b,
+                                              at::Tensor &k_cache, at::Tensor &v_cache,
+                                              const StepAttention &s, double eps) {
+    // llama.py's DecoderLayer: the previous layer ended with `x + mlp(h)` (an ATen add).
+    at::Tensor x = delta.has_value() ? at::add(x_in, *delta) : x_in;
+    at::Tensor qkv = project(rms_norm(x, norm_w, eps), qkv_w, qkv_b);
+    const int64_t n = qkv.size(0), d = s.head_dim;
+    at::Tensor v = qkv.narrow(1, (s.q_heads + s.kv_heads) * d, s.kv_heads * d)
+                       .view({n, s.kv_heads, d});
+    auto [q, k] = rotary_qk(qkv, s.cos, s.sin, s.q_heads, s.kv_heads, d);
+    at::Tensor attn = paged_attention_call(q, k, v, k_cache, v_cache, s);
+    return {x, project(attn, o_w, o_b)};
+}
+
+std::tuple<at::Tensor, at::Tensor> mlp_block(const at::Tensor &x, const at::Tensor &delta,
+                                             const at::Tensor &norm_w, const at::Tensor &gate_up_w,
+                                             const std::optional<at::Tensor> &gate_up_b,
+                                             const at::Tensor &down_w,
+                                             const std::optional<at::Tensor> &down_b, double eps) {
+    auto [sum, h] = add_rms_norm(x, delta, norm_w, eps);
+    return {sum, project(silu_mul(project(h, gate_up_w, gate_up_b)), down_w, down_b)};
+}
+
+std::tuple<at::Tensor, at::Tensor> decoder_attn_block(
+    const at::Tensor &x, const std::optional<at::Tensor> &delta, const at::Tensor &norm_w,
+    const at::Tensor &qkv_w, const std::optional<at::Tensor> &qkv_b, const at::Tensor &o_w,
+    const std::optional<at::Tensor> &o_b, const at::Tensor &cos, const at::Tensor &sin,
+    at::Tensor &k_cache, at::Tensor &v_cache, const at::Tensor &page_table,
+    const at::Tensor &q_indptr, const at::Tensor &kv_lens, const at::Tensor &write_slots,
+    const std::optional<at::Tensor> &mask_start, const std::optional<at::Tensor> &custom_mask,
+    int64_t page_size, int64_t window, double scale, int64_t q_heads, int64_t kv_heads,
+    int64_t head_dim, double eps) {
+    const StepAttention s{cos,         sin,         page_table, q_indptr, kv_lens, write_slots,
+                          mask_start,  custom_mask, page_size,  window,   scale,   q_heads,
+                          kv_heads,    head_dim};
+    return attn_block(x, delta, norm_w, qkv_w, qkv_b, o_w, o_b, k_cache, v_cache, s, eps);
+}
+
+// Per layer, in this order (fused_decoder.py builds the list): input norm, qkv weight, qkv
+// bias, o weight, o bias, post-attention norm, gate_up weight, gate_up bias, down weight,
+// down bias; absent biases are None.
+constexpr int64_t kLayerTensors = 10;
+
+at::Tensor required(const c10::List<std::optional<at::Tensor>> &w, int64_t i) {
+    std::optional<at::Tensor> t = w.get(i);
+    TORCH_CHECK(t.has_value(), "tpserve::decoder_layers: weight ", i, " is missing");
+    return *t;
+}
+
+at::Tensor decoder_layers(const at::Tensor &x_in, const c10::List<std::optional<at::Tensor>> &w,
+                          at::TensorList k_caches, at::TensorList v_caches, const at::Tensor &cos,
+                          const at::Tensor &sin, const at::Tensor &page_table,
+                          const at::Tensor &q_indptr, const at::Tensor &kv_lens,
+                          const at::Tensor &write_slots,
+                          const std::optional<at::Tensor> &mask_start,
+                          const std::optional<at::Tensor> &custom_mask, int64_t page_size,
+                          int64_t window, double scale, int64_t q_heads, int64_t kv_heads,
+                          int64_t head_dim, double eps) {
+    const int64_t layers = static_cast<int64_t>(k_caches.size());
+    TORCH_CHECK(static_cast<int64_t>(w.size()) == layers * kLayerTensors &&
+                    v_caches.size() == k_caches.size(),
+                "tpserve::decoder_layers: ", kLayerTensors, " weights and two caches a layer");
+    const StepAttention s{cos,         sin,         page_table, q_indptr, kv_lens, write_slots,
+                          mask_start,  custom_mask, page_size,  window,   scale,   q_heads,
+                          kv_heads,    head_dim};
+    at::Tensor x = x_in;
+    std::optional<at::Tensor> delta;
+    for (int64_t l = 0; l < layers; l++) {
+        const int64_t b = l * kLayerTensors;
+        // Caches are written in place; the list holds views of the engine's pools.
+        at::Tensor kc = k_caches[l], vc = v_caches[l];
+        auto [xa, o] = attn_block(x, delta, required(w, b), required(w, b + 1), w.get(b + 2),
+                                  required(w, b + 3), w.get(b + 4), kc, vc, s, eps);
+        auto [xm, m] = mlp_block(xa, o, required(w, b + 5), required(w, b + 6), w.get(b + 7),
+                                 required(w, b + 8), w.get(b + 9), eps);
+        x = xm;
+        delta = m;
+    }
+    return delta.has_value() ? at::add(x, *delta) : x;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(tpserve, m) {
+    m.def("decoder_attn_block(Tensor x, Tensor? delta, Tensor norm_w, Tensor qkv_w, "
+          "Tensor? qkv_b, Tensor o_w, Tensor? o_b, Tensor cos, Tensor sin, Tensor(a!) k_cache, "
+          "Tensor(b!) v_cache, Tensor page_table, Tensor q_indptr, Tensor kv_lens, "
+          "Tensor write_slots, Tensor? mask_start, Tensor? custom_mask, int page_size, "
+          "int window, float scale, int q_heads, int kv_heads, int head_dim, float eps) "
+          "-> (Tensor, Tensor)");
+    m.def("decoder_mlp_block(Tensor x, Tensor delta, Tensor norm_w, Tensor gate_up_w, "
+          "Tensor? gate_up_b, Tensor down_w, Tensor? down_b, float eps) -> (Tensor, Tensor)");
+    m.def("decoder_layers(Tensor x, Tensor?[] weights, Tensor(a!)[] k_caches, "
+          "Tensor(b!)[] v_caches, Tensor cos, Tensor sin, Tensor page_table, Tensor q_indptr, "
+          "Tensor kv_lens, Tensor write_slots, Tensor? mask_start, Tensor? custom_mask, "
+          "int page_size, int window, float scale, int q_heads, int kv_heads, int head_dim, "
+          "float eps) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(tpserve, CPU, m) {
+    m.impl("decoder_attn_block", &decoder_attn_block);
+    m.impl("decoder_mlp_block", &mlp_block);
+    m.impl("decoder_layers", &decoder_layers);
+}
