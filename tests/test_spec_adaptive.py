@@ -192,3 +192,31 @@ def test_ab_harness_has_an_adaptive_arm() -> None:
             dict(row, spec=ADAPTIVE)]
     add_predictions(rows, [1])  # the model fits the pinned arms; the adaptive arm is measured
     assert "predicted_tok_s" in rows[1] and "predicted_tok_s" not in rows[2]
+
+
+def test_measured_throughput_outweighs_a_wrong_acceptance_model() -> None:
+    """The per-depth acceptance the chooser is told says the tree is best (the fake RATE),
+    but steps of the 4-deep chain append more tokens than that model expects (as on the
+    demo pair, where acceptance after plain stretches is not the steady rate): once measured
+    long enough, the chain's own tok/s decides."""
+    allowed = candidates(TREE, 8, shapes_fixed=False)
+    chain = Setting(4, 1, 5)
+    rng = random.Random(5)
+    chooser = AdaptiveChooser(TREE, allowed)
+
+    def extra(s: Setting) -> int:  # tokens the acceptance statistics do not show
+        return 3 if s == chain else 0
+
+    picks = []
+    for _ in range(800):
+        s = chooser.choose(1)
+        picks.append(s)
+        accs = [] if s.off else accepted(s, 1, rng)
+        tokens = 1 + sum(len(a.nodes) - 1 for a in accs) + extra(s)
+        ms = true_step_ms(s, 1)
+        draft = 0.0 if s.off else s.steps * (1.5 + 0.6 * s.topk)
+        chooser.observe(s, 1, ms, ms - draft - 0.5 * (not s.off), draft, tokens)
+        if accs:
+            chooser.observe_accepts(s, accs)
+    tail = picks[-200:]
+    assert sum(p == chain for p in tail) >= 180, chooser.snapshot()

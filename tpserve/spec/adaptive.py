@@ -13,10 +13,15 @@ acceptance measured at that bucket, continued geometrically past the deepest dep
 Three rules keep it honest and calm:
 - anchors (plain decoding, the launch setting, and the deepest chain when the launch setting
   is a tree) are run for a few steps at each bucket before anything is predicted there;
-  a setting measured at a bucket is then judged by its own step time and the acceptance
-  model (per-step token counts swing far more than step times), an unmeasured one by the
-  cost model alone, and the stalest measured one is re-run for a step every
-  ``refresh_every`` steps so a noisy estimate cannot stick;
+  a setting measured at a bucket is then judged by its own step time and, until it has
+  ``trust_requests`` request-steps behind it, a blend of the acceptance model's token count
+  and its own (per-step token counts swing far more than step times), after that by its own
+  measured tok/s alone; an unmeasured one by the cost model alone; and the stalest measured
+  one is re-run for a step every ``refresh_every`` steps so a noisy estimate cannot stick.
+  Why measured wins in the end: on the demo pair the model's geometric acceptance said
+  1/1/2 > 4/1/5 at batch 1 (161 vs 155 tok/s predicted) while the two measured 142 and 185
+  (acceptance right after a stretch of plain steps is not the steady rate), and the
+  chooser sat on the slower one for 330 steps;
 - a challenger replaces the current setting only when predicted ``margin`` faster, and not
   within ``hold_steps`` of the last switch (hysteresis: no flapping on noise); speculation
   must also be predicted ``margin`` faster than plain decoding to be chosen at all;
@@ -57,7 +62,9 @@ class AdaptiveConfig:
     hold_steps: int = 16  # steps between two switches made on predictions
     explore_steps: int = 3  # steps each anchor runs at a bucket before predictions there
     refresh_every: int = 256  # steps at a bucket between one-step re-measurements of anchors
-    alpha: float = 0.2  # weight of a new measurement in the moving averages
+    alpha: float = 0.2  # weight of a new measurement in the moving averages (times)
+    tokens_alpha: float = 0.02  # the same for tokens per step, which swing far more
+    trust_requests: float = 256.0  # request-steps after which measured tok/s alone counts
     accept_decay: float = 0.99  # per verified tree: acceptance follows the current traffic
 
 
@@ -67,8 +74,10 @@ class Ema:
     count: int = 0
 
     def add(self, x: float, alpha: float) -> None:
-        self.value = x if self.count == 0 else (1 - alpha) * self.value + alpha * x
+        """A running mean for the first 1/alpha values, then a moving average."""
         self.count += 1
+        weight = max(alpha, 1.0 / self.count)
+        self.value = (1 - weight) * self.value + weight * x
 
 
 @dataclass
@@ -161,8 +170,8 @@ class AdaptiveChooser:
         cost.step_ms.add(step_ms, alpha)
         cost.forward_ms.add(forward_ms, alpha)
         cost.draft_ms.add(draft_ms, alpha)
-        cost.tokens.add(float(tokens), alpha)
-        cost.requests.add(float(batch), alpha)
+        cost.tokens.add(float(tokens), self.cfg.tokens_alpha)
+        cost.requests.add(float(batch), self.cfg.tokens_alpha)
         cost.last_step = self.steps
 
     def observe_accepts(self, setting: Setting, accepted: list[Accepted]) -> None:
@@ -203,9 +212,11 @@ class AdaptiveChooser:
         model = self.model(bucket, setting.topk)
         if model is None:
             return None
-        if cost is not None:  # measured here: its own step time, the model's acceptance
-            return (1e3 * cost.requests.value * model.accept_length(setting.steps)
-                    / cost.step_ms.value)
+        if cost is not None:  # measured here: its own step time, acceptance blended
+            modeled = (1e3 * cost.requests.value * model.accept_length(setting.steps)
+                       / cost.step_ms.value)
+            trust = min(1.0, cost.tokens.count * cost.requests.value / self.cfg.trust_requests)
+            return trust * cost.tok_s + (1 - trust) * modeled
         seen = self.costs[bucket][OFF].requests.value  # model() needs plain measured here
         return model.tok_s(setting.steps, setting.tokens, round(seen) or 1)
 
