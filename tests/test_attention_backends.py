@@ -80,7 +80,7 @@ def test_the_native_op_builds_here() -> None:
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("head_dim", [16, 64, 128])  # 16: the narrow op on AVX-512
 @pytest.mark.parametrize("heads", HEADS, ids=lambda h: f"{h[0]}q{h[1]}kv")
 @pytest.mark.parametrize("scenario", SCENARIOS)
 def test_fp32_equals_float64(backend: str, head_dim: int, heads: tuple[int, int],
@@ -268,3 +268,16 @@ def test_the_engine_layout_builds_the_same_attention(backend: str, kind: str) ->
     ours = attn.forward(case.q, case.k, case.v, cache, attn.prepare(fb.attn))
     ref, _ = run(backend, case)
     assert torch.equal(ours, ref)
+
+
+def test_narrow_op_serves_16_wide_heads() -> None:
+    """On AVX-512 the AVX2 build (tpserve::paged_attention_narrow) takes head sizes that are
+    multiples of 16 but not of 32; elsewhere the one build takes them."""
+    native = cpu_native.load()
+    spec = AttentionSpec(8, 4, 16, 0.25, torch.bfloat16)
+    attn = create("auto", spec, CPU)
+    assert attn.name == "cpu"
+    assert attn.narrow == (native.lanes == 16)
+    assert native.op_for(48) == ("paged_attention_narrow" if native.lanes == 16
+                                 else "paged_attention")
+    assert native.op_for(64) == "paged_attention" and native.op_for(8) is None

@@ -23,7 +23,7 @@ from tpserve.models.config import parse_config
 from tpserve.models.llama import LlamaForCausalLM
 
 CPU = torch.device("cpu")
-HEAD_DIM = 32  # a multiple of the native attention's head_dim step on AVX2 and AVX-512
+HEAD_DIM = 32  # the native attention's head_dim step on AVX-512 (16 takes the narrow op there)
 LAYERS = 3
 VOCAB = 96
 
@@ -48,8 +48,8 @@ class RecordingComm(NoComm):
 
 
 def _model(arch: str, dtype: torch.dtype, tp: TPContext, window: int | None = None,
-           bias: bool = False) -> LlamaForCausalLM:
-    raw = {"architectures": [arch], "hidden_size": 128, "head_dim": HEAD_DIM,
+           bias: bool = False, head_dim: int = HEAD_DIM) -> LlamaForCausalLM:
+    raw = {"architectures": [arch], "hidden_size": 128, "head_dim": head_dim,
            "intermediate_size": 96, "num_hidden_layers": LAYERS, "num_attention_heads": 4,
            "num_key_value_heads": 2, "vocab_size": VOCAB, "attention_bias": bias,
            "mlp_bias": bias, "sliding_window": window, "rms_norm_eps": 1e-5}
@@ -64,9 +64,9 @@ def _model(arch: str, dtype: torch.dtype, tp: TPContext, window: int | None = No
 
 
 def _step(mask: str | None, q_lens: list[int], cached: list[int], dtype: torch.dtype,
-          window: int | None, tp_size: int):
+          window: int | None, tp_size: int, head_dim: int = HEAD_DIM):
     kv_heads = 2 // tp_size if tp_size <= 2 else 1
-    case = make_case(7, q_lens, cached, (4 // tp_size, kv_heads), HEAD_DIM, dtype,
+    case = make_case(7, q_lens, cached, (4 // tp_size, kv_heads), head_dim, dtype,
                      page_size=8, window=window, mask=mask)
     meta = case.metadata()
     rows = int(np.sum(q_lens))
@@ -112,16 +112,19 @@ CASES = [
 ]
 
 
+@pytest.mark.parametrize("head_dim", [HEAD_DIM, 16])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("name,q_lens,cached,mask,window", CASES)
 def test_stack_equals_python_layers(name: str, q_lens: list[int], cached: list[int],
                                     mask: str | None, window: int | None,
-                                    dtype: torch.dtype) -> None:
+                                    dtype: torch.dtype, head_dim: int) -> None:
+    """head_dim 16 runs tpserve::paged_attention_narrow on AVX-512 machines (the demo's)."""
     _native_or_skip()
     arch = "MistralForCausalLM" if window else "LlamaForCausalLM"
-    model = _model(arch, dtype, TPContext.single(), window)
+    model = _model(arch, dtype, TPContext.single(), window, head_dim=head_dim)
     assert model.stack is not None, model.stack_reason
-    fb, kv = _step(mask, q_lens, cached, dtype, window, 1)
+    assert model.stack.narrow == (cpu_native.load().lanes == 16 and head_dim == 16)
+    fb, kv = _step(mask, q_lens, cached, dtype, window, 1, head_dim)
     _assert_same(_run(model, fb, kv, (), True), _run(model, fb, kv, (), False))
 
 

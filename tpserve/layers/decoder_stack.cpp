@@ -31,6 +31,7 @@ struct StepAttention {
     int64_t page_size, window;
     double scale;
     int64_t q_heads, kv_heads, head_dim;
+    bool narrow;  // tpserve::paged_attention_narrow (cpu_native.py: 16-wide heads on AVX-512)
 };
 
 at::Tensor paged_attention_call(const at::Tensor &q, const at::Tensor &k, const at::Tensor &v,
@@ -40,11 +41,19 @@ at::Tensor paged_attention_call(const at::Tensor &q, const at::Tensor &k, const 
                           const at::Tensor &, const at::Tensor &,
                           const std::optional<at::Tensor> &, const std::optional<at::Tensor> &,
                           int64_t, int64_t, double);
-    // Looked up at the first call: the attention library loads after this one.
-    static const auto op = c10::Dispatcher::singleton()
-                               .findSchemaOrThrow("tpserve::paged_attention", "")
-                               .typed<Fn>();
-    return op.call(q, k, v, k_cache, v_cache, s.page_table, s.q_indptr, s.kv_lens, s.write_slots,
+    // Looked up at the first call: the attention libraries load after this one.
+    static const auto wide = c10::Dispatcher::singleton()
+                                 .findSchemaOrThrow("tpserve::paged_attention", "")
+                                 .typed<Fn>();
+    if (s.narrow) {
+        static const auto narrow = c10::Dispatcher::singleton()
+                                       .findSchemaOrThrow("tpserve::paged_attention_narrow", "")
+                                       .typed<Fn>();
+        return narrow.call(q, k, v, k_cache, v_cache, s.page_table, s.q_indptr, s.kv_lens,
+                           s.write_slots, s.mask_start, s.custom_mask, s.page_size, s.window,
+                           s.scale);
+    }
+    return wide.call(q, k, v, k_cache, v_cache, s.page_table, s.q_indptr, s.kv_lens, s.write_slots,
                    s.mask_start, s.custom_mask, s.page_size, s.window, s.scale);
 }
 
@@ -91,10 +100,10 @@ std::tuple<at::Tensor, at::Tensor> decoder_attn_block(
     const at::Tensor &q_indptr, const at::Tensor &kv_lens, const at::Tensor &write_slots,
     const std::optional<at::Tensor> &mask_start, const std::optional<at::Tensor> &custom_mask,
     int64_t page_size, int64_t window, double scale, int64_t q_heads, int64_t kv_heads,
-    int64_t head_dim, double eps) {
+    int64_t head_dim, double eps, bool narrow) {
     const StepAttention s{cos,         sin,         page_table, q_indptr, kv_lens, write_slots,
                           mask_start,  custom_mask, page_size,  window,   scale,   q_heads,
-                          kv_heads,    head_dim};
+                          kv_heads,    head_dim,    narrow};
     return attn_block(x, delta, norm_w, qkv_w, qkv_b, o_w, o_b, k_cache, v_cache, s, eps);
 }
 
@@ -117,14 +126,14 @@ at::Tensor decoder_layers(const at::Tensor &x_in, const c10::List<std::optional<
                           const std::optional<at::Tensor> &mask_start,
                           const std::optional<at::Tensor> &custom_mask, int64_t page_size,
                           int64_t window, double scale, int64_t q_heads, int64_t kv_heads,
-                          int64_t head_dim, double eps) {
+                          int64_t head_dim, double eps, bool narrow) {
     const int64_t layers = static_cast<int64_t>(k_caches.size());
     TORCH_CHECK(static_cast<int64_t>(w.size()) == layers * kLayerTensors &&
                     v_caches.size() == k_caches.size(),
                 "tpserve::decoder_layers: ", kLayerTensors, " weights and two caches a layer");
     const StepAttention s{cos,         sin,         page_table, q_indptr, kv_lens, write_slots,
                           mask_start,  custom_mask, page_size,  window,   scale,   q_heads,
-                          kv_heads,    head_dim};
+                          kv_heads,    head_dim,    narrow};
     at::Tensor x = x_in;
     std::optional<at::Tensor> delta;
     for (int64_t l = 0; l < layers; l++) {
@@ -148,15 +157,15 @@ TORCH_LIBRARY_FRAGMENT(tpserve, m) {
           "Tensor? qkv_b, Tensor o_w, Tensor? o_b, Tensor cos, Tensor sin, Tensor(a!) k_cache, "
           "Tensor(b!) v_cache, Tensor page_table, Tensor q_indptr, Tensor kv_lens, "
           "Tensor write_slots, Tensor? mask_start, Tensor? custom_mask, int page_size, "
-          "int window, float scale, int q_heads, int kv_heads, int head_dim, float eps) "
-          "-> (Tensor, Tensor)");
+          "int window, float scale, int q_heads, int kv_heads, int head_dim, float eps, "
+          "bool narrow) -> (Tensor, Tensor)");
     m.def("decoder_mlp_block(Tensor x, Tensor delta, Tensor norm_w, Tensor gate_up_w, "
           "Tensor? gate_up_b, Tensor down_w, Tensor? down_b, float eps) -> (Tensor, Tensor)");
     m.def("decoder_layers(Tensor x, Tensor?[] weights, Tensor(a!)[] k_caches, "
           "Tensor(b!)[] v_caches, Tensor cos, Tensor sin, Tensor page_table, Tensor q_indptr, "
           "Tensor kv_lens, Tensor write_slots, Tensor? mask_start, Tensor? custom_mask, "
           "int page_size, int window, float scale, int q_heads, int kv_heads, int head_dim, "
-          "float eps) -> Tensor");
+          "float eps, bool narrow) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(tpserve, CPU, m) {

@@ -83,6 +83,7 @@ class DecoderStack:
     kv_heads: int
     head_dim: int
     eps: float
+    narrow: bool  # the attention backend calls tpserve::paged_attention_narrow
 
     @classmethod
     def of(cls, model: Any) -> tuple[DecoderStack | None, str]:
@@ -96,7 +97,7 @@ class DecoderStack:
                   for layer in model.layers]
         attn = model.layers[0].self_attn
         return cls(weights, biases, model.tp, attn.heads, attn.kv_heads, attn.head_dim,
-                   model.layers[0].input_layernorm.eps), ""
+                   model.layers[0].input_layernorm.eps, model.attention.narrow), ""
 
     @staticmethod
     def fits(x: torch.Tensor) -> bool:
@@ -111,7 +112,7 @@ class DecoderStack:
         """Layers [start, end) on ``x`` (the residual stream entering layer ``start``)."""
         step = (cos, sin, meta.page_table, meta.q_indptr, meta.kv_lens, meta.write_slots,
                 meta.mask_start, meta.custom_mask, meta.page_size, window, scale)
-        dims = (self.q_heads, self.kv_heads, self.head_dim, self.eps)
+        dims = (self.q_heads, self.kv_heads, self.head_dim, self.eps, self.narrow)
         if self.tp.size == 1:
             return torch.ops.tpserve.decoder_layers(
                 x, self.weights[start * LAYER_TENSORS : end * LAYER_TENSORS],

@@ -8,6 +8,11 @@
 // one at::parallel_for region, in parallel when this file is compiled with -fopenmp against
 // torch's own OpenMP runtime (the loader links the libgomp torch already loaded), else on the
 // calling thread.
+//
+// On AVX-512 machines the loader builds this file twice: the default build (16 lanes, head_dim
+// a multiple of 32) and a "narrow" one with -mno-avx512f -DTPSERVE_ATTN_SUFFIX=_narrow (the
+// AVX2 path, head_dim a multiple of 16), whose ops carry the suffix: models with 16-wide heads
+// (the built-in demo pair) then attend natively too.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -23,6 +28,14 @@
 extern "C" {
 #include "paged_attention.c"
 }
+
+#ifndef TPSERVE_ATTN_SUFFIX
+#define TPSERVE_ATTN_SUFFIX
+#endif
+#define TPSERVE_ATTN_STR2(x) #x
+#define TPSERVE_ATTN_STR(x) TPSERVE_ATTN_STR2(x)
+// An op name of this build: "paged_attention" ATTN_SUFFIX "(...)" and so on.
+#define ATTN_SUFFIX TPSERVE_ATTN_STR(TPSERVE_ATTN_SUFFIX)
 
 namespace {
 
@@ -215,11 +228,12 @@ int64_t paged_attention_lanes() { return LANES; }
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(tpserve, m) {
-    m.def("paged_attention(Tensor q, Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, "
-          "Tensor page_table, Tensor q_indptr, Tensor kv_lens, Tensor write_slots, "
-          "Tensor? mask_start, Tensor? custom_mask, int page_size, int window, float scale) -> Tensor");
-    m.def("paged_attention_lanes() -> int", &paged_attention_lanes);
-    m.def("paged_attention_use_pool(int handle) -> int", &use_pool);
+    m.def("paged_attention" ATTN_SUFFIX "(Tensor q, Tensor k, Tensor v, Tensor(a!) k_cache, "
+          "Tensor(b!) v_cache, Tensor page_table, Tensor q_indptr, Tensor kv_lens, "
+          "Tensor write_slots, Tensor? mask_start, Tensor? custom_mask, int page_size, "
+          "int window, float scale) -> Tensor");
+    m.def("paged_attention_lanes" ATTN_SUFFIX "() -> int", &paged_attention_lanes);
+    m.def("paged_attention_use_pool" ATTN_SUFFIX "(int handle) -> int", &use_pool);
 }
 
-TORCH_LIBRARY_IMPL(tpserve, CPU, m) { m.impl("paged_attention", &paged_attention); }
+TORCH_LIBRARY_IMPL(tpserve, CPU, m) { m.impl("paged_attention" ATTN_SUFFIX, &paged_attention); }

@@ -29,17 +29,24 @@ class CpuAttention(AttentionBackend):
         if native.reason:
             return native.reason
         multiple = native.head_dim_multiple
-        if spec.head_dim % multiple or spec.head_dim > MAX_HEAD_DIM:
+        if native.op_for(spec.head_dim) is None or spec.head_dim > MAX_HEAD_DIM:
             return (f"head_dim {spec.head_dim} must be a multiple of {multiple} and at most "
                     f"{MAX_HEAD_DIM} on this CPU")
         if spec.num_q_heads % spec.num_kv_heads:
             return "query heads must be a multiple of KV heads"
         return None
 
+    def __init__(self, spec: AttentionSpec, device: torch.device) -> None:
+        super().__init__(spec, device)
+        name = cpu_native.load().op_for(spec.head_dim) or "paged_attention"
+        # The AVX2 build beside an AVX-512 one, for head sizes the wide one cannot take.
+        self.narrow = name != "paged_attention"
+        self.op = getattr(torch.ops.tpserve, name)
+
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVPair,
                 step: PreparedStep) -> torch.Tensor:
         meta = step.meta
-        return torch.ops.tpserve.paged_attention(
+        return self.op(
             q, k, v, cache[0], cache[1], meta.page_table, meta.q_indptr, meta.kv_lens,
             meta.write_slots, meta.mask_start, meta.custom_mask, meta.page_size,
             self.spec.window, self.spec.scale)

@@ -7,6 +7,12 @@ this machine runs). Where torch's intra-op pool is OpenMP the library is compile
 its work items run on torch's threads; without OpenMP it runs on the calling thread.
 ``TPSERVE_CPU_ATTENTION=0`` turns the op off (the ``cpu`` backend then reports why).
 
+On an AVX-512 machine the same source is also built for the AVX2 path under suffixed names
+(``tpserve::paged_attention_narrow``, 8 lanes: head_dim a multiple of 16 instead of 32), so
+models with 16-wide heads (the built-in demo pair) attend natively too; ``op_for`` says which
+op serves a head size. Measured on the demo pair at TP=1 (head_dim 16): a 4-deep draft phase
+spent ~40% of its time preparing and running the torch backend's gather + SDPA.
+
 Where ``tpserve::matmul``'s C++ pool is loaded, the op's work items run on that pool instead
 (``tpserve::paged_attention_use_pool``), and ``threaded`` says so too. A decode step then does
 not touch OpenMP: its fork-join barrier waits for every team thread, and on a machine with as
@@ -36,15 +42,28 @@ KERNEL = (*(Path(__file__).with_name(n) for n in ("paged_attention.c", "attn_sim
           Path(__file__).parent.parent / "half.h")  # shared with gemm_tiles.c
 
 
+NARROW = "_narrow"  # op-name suffix of the AVX2 build on AVX-512 machines
+
+
 @dataclass(frozen=True)
 class NativeAttention:
     reason: str  # '' when the op is loaded and has a vector path
     lanes: int  # fp32 lanes of the loaded build (16 AVX-512, 8 AVX2), 0 when not loaded
     threaded: bool  # work items run on several threads (the matmul pool, or torch's OpenMP)
+    narrow_lanes: int = 0  # lanes of the AVX2 build beside an AVX-512 one (0: none)
 
     @property
     def head_dim_multiple(self) -> int:
-        return 2 * self.lanes
+        """The smallest head_dim step some loaded build serves."""
+        return 2 * (self.narrow_lanes or self.lanes)
+
+    def op_for(self, head_dim: int) -> str | None:
+        """Name of the op (in ``torch.ops.tpserve``) for ``head_dim``; None when none fits."""
+        if self.lanes and head_dim % (2 * self.lanes) == 0:
+            return "paged_attention"
+        if self.narrow_lanes and head_dim % (2 * self.narrow_lanes) == 0:
+            return "paged_attention" + NARROW
+        return None
 
 
 def _openmp_torch() -> bool:
@@ -63,8 +82,9 @@ def _libs() -> list[str]:
     return [f"-L{Path(torch.__file__).parent / 'lib'}", "-lc10", "-ltorch_cpu"]
 
 
-def _build_and_load() -> tuple[str, bool]:
-    """Load the op; returns ('' or why not, whether it is threaded)."""
+def _build_and_load(extra: tuple[str, ...] = ()) -> tuple[str, bool]:
+    """Load the op (built with ``extra`` flags too); returns ('' or why not, whether it is
+    threaded)."""
     if os.environ.get("TPSERVE_CPU_ATTENTION", "1") == "0":
         return "disabled by TPSERVE_CPU_ATTENTION=0", False
     cxx = compiler(cxx=True)
@@ -73,7 +93,7 @@ def _build_and_load() -> tuple[str, bool]:
     failure = ""
     for openmp in ((True, False) if _openmp_torch() else (False,)):
         try:
-            path = build(SOURCE, cxx, _flags(openmp), KERNEL, _libs())
+            path = build(SOURCE, cxx, [*_flags(openmp), *extra], KERNEL, _libs())
             torch.ops.load_library(str(path))
             return "", openmp
         except (NativeBuildError, OSError) as exc:
@@ -82,8 +102,22 @@ def _build_and_load() -> tuple[str, bool]:
     return failure, False
 
 
-def _register_fake() -> None:
-    @torch.library.register_fake("tpserve::paged_attention")
+def _load_narrow(pool: int) -> int:
+    """The AVX2 build's lanes (8) beside an AVX-512 one, or 0 where it does not build."""
+    reason, _ = _build_and_load(("-mno-avx512f", f"-DTPSERVE_ATTN_SUFFIX={NARROW}"))
+    if reason:
+        log.info("narrow (AVX2) paged attention unavailable: %s", reason)
+        return 0
+    ops = torch.ops.tpserve
+    lanes = int(getattr(ops, "paged_attention_lanes" + NARROW)())
+    if lanes:
+        _register_fake("paged_attention" + NARROW)
+        getattr(ops, "paged_attention_use_pool" + NARROW)(pool)
+    return lanes
+
+
+def _register_fake(name: str = "paged_attention") -> None:
+    @torch.library.register_fake(f"tpserve::{name}")
     def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
           v_cache: torch.Tensor, page_table: torch.Tensor, q_indptr: torch.Tensor,
           kv_lens: torch.Tensor, write_slots: torch.Tensor, mask_start: torch.Tensor | None,
@@ -103,6 +137,7 @@ def load() -> NativeAttention:
     if lanes == 0:
         return NativeAttention("this CPU has neither AVX-512 nor AVX2+FMA+F16C", 0, threaded)
     _register_fake()
-    pooled = cpu_ops.load().impl == "c++" and bool(
-        torch.ops.tpserve.paged_attention_use_pool(torch.ops.tpserve.pool_handle()))
-    return NativeAttention("", lanes, threaded or pooled)
+    pool = int(torch.ops.tpserve.pool_handle()) if cpu_ops.load().impl == "c++" else 0
+    pooled = bool(torch.ops.tpserve.paged_attention_use_pool(pool))
+    narrow = _load_narrow(pool) if lanes == 16 else 0
+    return NativeAttention("", lanes, threaded or pooled, narrow)
