@@ -220,3 +220,21 @@ def test_measured_throughput_outweighs_a_wrong_acceptance_model() -> None:
             chooser.observe_accepts(s, accs)
     tail = picks[-200:]
     assert sum(p == chain for p in tail) >= 180, chooser.snapshot()
+
+
+def test_prompt_steps_count_against_the_setting_that_runs() -> None:
+    """A prefill-only step's time goes into the next decode step's cost; a mixed step (plain
+    decoding with a prompt chunk riding along) is a plain decode step."""
+    from tpserve.engine.adapt import AdaptiveDriver
+
+    chooser = AdaptiveChooser(TREE, candidates(TREE, 8, shapes_fixed=False))
+    driver = AdaptiveDriver(chooser)
+    driver.observe(TREE, "prefill", 0, 0.010, 1)
+    driver.observe(TREE, "decode", 4, 0.020, 12)
+    assert chooser.costs[4][TREE].step_ms.value == pytest.approx(30.0)
+    driver.observe(OFF, "mixed", 3, 0.008, 4)
+    assert chooser.costs[4][OFF].step_ms.value == pytest.approx(8.0)
+    assert driver.carry == 0.0
+    driver.on = False
+    driver.observe(TREE, "prefill", 0, 0.5, 1)
+    assert driver.carry == 0.0  # pinned settings: nothing is charged later

@@ -159,8 +159,9 @@ class Engine:
             appended = self._forward_step(batch)
         seconds = time.perf_counter() - start
         self._account(batch, appended, seconds)
-        if self.adaptive is not None and setting is not None and batch.kind == "decode":
-            self.adaptive.observe(setting, len(batch.requests), seconds, appended)
+        if self.adaptive is not None and setting is not None:
+            decoding = sum(1 for q in batch.q_lens if q == 1)
+            self.adaptive.observe(setting, batch.kind, decoding, seconds, appended)
 
     def _phase(self, name: str) -> AbstractContextManager[None]:
         inner = self.profiler.phase(name)
