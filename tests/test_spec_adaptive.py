@@ -235,6 +235,8 @@ def test_prompt_steps_count_against_the_setting_that_runs() -> None:
     driver.observe(OFF, "mixed", 3, 0.008, 4)
     assert chooser.costs[4][OFF].step_ms.value == pytest.approx(8.0)
     assert driver.carry == 0.0
+    driver.observe(OFF, "prefill", 0, 0.5, 1, stalled=False)  # nothing else was running
+    assert driver.carry == 0.0
     driver.on = False
     driver.observe(TREE, "prefill", 0, 0.5, 1)
     assert driver.carry == 0.0  # pinned settings: nothing is charged later

@@ -87,20 +87,21 @@ class AdaptiveDriver:
         return ConfigChange(speculative=settings_for(choice, spec))
 
     def observe(self, setting: Setting, kind: str, batch: int, seconds: float,
-                appended: int) -> None:
+                appended: int, stalled: bool = True) -> None:
         """After a step of ``kind`` with ``batch`` decoding requests: its wall time, forward
         and draft time, tokens appended.
 
         Prompt steps count against the setting too: with speculation on, a new prompt is a
         step of its own (its verify is a tree forward, not mixable), while plain decoding
-        carries prompt chunks inside its decode steps ("mixed"). A prefill-only step's time is
-        added to the next decode step's, and a mixed step counts as a plain decode step;
+        carries prompt chunks inside its decode steps ("mixed"). A prefill-only step that
+        ``stalled`` running requests adds its time to the next decode step's (one with nothing
+        else running costs every setting alike), and a mixed step counts as plain decoding;
         otherwise speculation looked faster per decode step than it was per second (demo pair,
         8 clients: predicted 1.13x plain, served 0.78x)."""
         if not self.on:
             self.carry = 0.0
         elif kind == "prefill" or not batch:
-            self.carry += seconds
+            self.carry += seconds if stalled else 0.0
         else:
             ph = self.phases
             forward = (ph.get("verify", 0.0) if not setting.off

@@ -161,7 +161,9 @@ class Engine:
         self._account(batch, appended, seconds)
         if self.adaptive is not None and setting is not None:
             decoding = sum(1 for q in batch.q_lens if q == 1)
-            self.adaptive.observe(setting, batch.kind, decoding, seconds, appended)
+            # A prompt step held back running requests (else it costs every setting alike).
+            stalled = len(self.scheduler.running) > len(batch.requests)
+            self.adaptive.observe(setting, batch.kind, decoding, seconds, appended, stalled)
 
     def _phase(self, name: str) -> AbstractContextManager[None]:
         inner = self.profiler.phase(name)
