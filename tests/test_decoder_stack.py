@@ -198,3 +198,46 @@ def test_engine_uses_the_stack_for_decode(monkeypatch: pytest.MonkeyPatch) -> No
     fb, kv = _step(None, [1], [20], torch.bfloat16, None, 1)
     _run(model, fb, kv, (), True)
     assert calls
+
+
+@pytest.mark.parametrize("hidden", [64, 128])  # head_dim 16 (narrow op on AVX-512) and 32
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("mask", [None, "draft"])
+def test_draft_blocks_equal_the_python_midlayer(tmp_path, hidden: int, dtype: torch.dtype,
+                                                mask: str | None) -> None:
+    """The EAGLE-3 draft's midlayer as native calls: same output bits and KV writes as its
+    Python layer, for a draft extend (causal) and a beam step (draft mask)."""
+    _native_or_skip()
+    from tests.checkpoints import make_checkpoint
+    from tests.eagle_checkpoints import make_draft
+    from tpserve.models.eagle3 import build_eagle3, load_eagle3_config
+
+    target = make_checkpoint(tmp_path / "t", "llama", hidden=hidden, layers=4, vocab=VOCAB)
+    draft_dir = make_draft(tmp_path / "d", target)
+    cfg = load_eagle3_config(draft_dir)
+    draft = build_eagle3(draft_dir, cfg, TPContext.single(), dtype, CPU, 256)
+    assert draft.blocks is not None, draft.blocks_reason
+    head_dim = draft.self_attn.head_dim
+    q_lens, cached = ([3, 1], [9, 4]) if mask is None else ([2, 2], [6, 11])
+    case = make_case(11, q_lens, cached, (draft.self_attn.heads, draft.self_attn.kv_heads),
+                     head_dim, dtype, page_size=8, mask=mask, draft_step=1 if mask else 0)
+    rows = sum(q_lens)
+    gen = torch.Generator().manual_seed(4)
+    embeds = torch.randn(rows, hidden, generator=gen).to(dtype)
+    feats = torch.randn(rows, hidden, generator=gen).to(dtype)
+    starts = np.asarray(case.kv_lens) - np.asarray(q_lens)
+    positions = torch.from_numpy(np.concatenate(
+        [s + np.arange(q) for s, q in zip(starts, q_lens, strict=True)]).astype(np.int64))
+    fb = ForwardBatch(torch.zeros(rows, dtype=torch.long), positions, case.metadata(), 0)
+    outs = []
+    for native in (True, False):
+        cache = case.caches()
+        blocks = draft.blocks
+        draft.blocks = blocks if native else None
+        try:
+            with torch.inference_mode():
+                outs.append((draft(embeds, feats, fb, cache), cache))
+        finally:
+            draft.blocks = blocks
+    (o1, (k1, v1)), (o2, (k2, v2)) = outs
+    assert torch.equal(o1, o2) and torch.equal(k1, k2) and torch.equal(v1, v2)

@@ -8,9 +8,10 @@
 // residual adds), so the outputs are bit-equal to the Python layer (tests/test_decoder_stack.py).
 //
 // Ops (fused_decoder.py is the Python side and says when they apply):
-// tpserve::decoder_attn_block(x, delta?, ...) -> (x', o): x' = x + delta (x when none: the
-//   residual add the previous layer's MLP left), o = o_proj(attention(rotary(qkv_proj(
+// tpserve::decoder_attn_block(x, delta?, norm?, ...) -> (x', o): x' = x + delta (x when none:
+//   the residual add the previous layer's MLP left), o = o_proj(attention(rotary(qkv_proj(
 //   rms_norm(x'))))) -- this rank's partial sum, which a tensor-parallel caller reduces.
+//   Without a norm weight qkv_proj reads x' as it is (the EAGLE-3 draft's normed concat).
 // tpserve::decoder_mlp_block(x, delta, ...) -> (x', m): x' = x + delta (delta = the reduced
 //   attention output), m = down(silu(gate) * up)(rms_norm(x')), partial like o.
 // tpserve::decoder_layers(x, weights, caches, ...) -> x after every layer, for one rank (no
@@ -66,7 +67,8 @@ at::Tensor project(const at::Tensor &x, const at::Tensor &weight,
 
 std::tuple<at::Tensor, at::Tensor> attn_block(const at::Tensor &x_in,
                                               const std::optional<at::Tensor> &delta,
-                                              const at::Tensor &norm_w, const at::Tensor &qkv_w,
+                                              const std::optional<at::Tensor> &norm_w,
+                                              const at::Tensor &qkv_w,
                                               const std::optional<at::Tensor> &qkv_b,
                                               const at::Tensor &o_w,
                                               const std::optional<at::Tensor> &o_b,
@@ -74,7 +76,8 @@ std::tuple<at::Tensor, at::Tensor> attn_block(const at::Tensor &x_in,
                                               const StepAttention &s, double eps) {
     // llama.py's DecoderLayer: the previous layer ended with `x + mlp(h)` (an ATen add).
     at::Tensor x = delta.has_value() ? at::add(x_in, *delta) : x_in;
-    at::Tensor qkv = project(rms_norm(x, norm_w, eps), qkv_w, qkv_b);
+    // No norm: the caller normed its input already (the EAGLE-3 draft's concatenation).
+    at::Tensor qkv = project(norm_w.has_value() ? rms_norm(x, *norm_w, eps) : x, qkv_w, qkv_b);
     const int64_t n = qkv.size(0), d = s.head_dim;
     at::Tensor v = qkv.narrow(1, (s.q_heads + s.kv_heads) * d, s.kv_heads * d)
                        .view({n, s.kv_heads, d});
@@ -93,7 +96,8 @@ std::tuple<at::Tensor, at::Tensor> mlp_block(const at::Tensor &x, const at::Tens
 }
 
 std::tuple<at::Tensor, at::Tensor> decoder_attn_block(
-    const at::Tensor &x, const std::optional<at::Tensor> &delta, const at::Tensor &norm_w,
+    const at::Tensor &x, const std::optional<at::Tensor> &delta,
+    const std::optional<at::Tensor> &norm_w,
     const at::Tensor &qkv_w, const std::optional<at::Tensor> &qkv_b, const at::Tensor &o_w,
     const std::optional<at::Tensor> &o_b, const at::Tensor &cos, const at::Tensor &sin,
     at::Tensor &k_cache, at::Tensor &v_cache, const at::Tensor &page_table,
@@ -153,7 +157,7 @@ at::Tensor decoder_layers(const at::Tensor &x_in, const c10::List<std::optional<
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(tpserve, m) {
-    m.def("decoder_attn_block(Tensor x, Tensor? delta, Tensor norm_w, Tensor qkv_w, "
+    m.def("decoder_attn_block(Tensor x, Tensor? delta, Tensor? norm_w, Tensor qkv_w, "
           "Tensor? qkv_b, Tensor o_w, Tensor? o_b, Tensor cos, Tensor sin, Tensor(a!) k_cache, "
           "Tensor(b!) v_cache, Tensor page_table, Tensor q_indptr, Tensor kv_lens, "
           "Tensor write_slots, Tensor? mask_start, Tensor? custom_mask, int page_size, "

@@ -25,6 +25,7 @@ from tpserve.engine.forward_batch import ForwardBatch
 from tpserve.errors import ConfigError
 from tpserve.layers.attention import AttentionBackend, bind
 from tpserve.layers.attention import create as create_attention
+from tpserve.layers.fused_decoder import DecoderStack, DraftBlocks
 from tpserve.layers.linear import RowParallelLinear
 from tpserve.layers.norm import RMSNorm
 from tpserve.layers.rotary import RotaryEmbedding
@@ -112,11 +113,17 @@ class Eagle3Draft(nn.Module):
                                                 device=device), persistent=False)
         self.attention: AttentionBackend = create_attention(
             "auto", self.self_attn.attention_spec(dtype, None), device)
+        self.refresh_blocks()
 
     def set_attention_backend(self, name: str) -> None:
         weight = self.fc.weight
         self.attention = create_attention(
             name, self.self_attn.attention_spec(weight.dtype, None), weight.device)
+        self.refresh_blocks()
+
+    def refresh_blocks(self) -> None:
+        """The midlayer as native calls where they apply (``fused_decoder.DraftBlocks``)."""
+        self.blocks, self.blocks_reason = DraftBlocks.of(self)
 
     def project(self, aux: torch.Tensor) -> torch.Tensor:
         """fc over the concatenated target features [N, 3*Ht] -> [N, H] (row-parallel)."""
@@ -129,6 +136,9 @@ class Eagle3Draft(nn.Module):
         """embeds, hidden: [N, H] -> pre-norm output [N, H] (fed back as the next feature)."""
         x = torch.cat((self.input_layernorm(embeds), self.hidden_norm(hidden)), dim=-1)
         rotary = self.rotary.at(batch.positions, x.dtype)
+        if self.blocks is not None and DecoderStack.fits(x):
+            meta = self.attention.prepare(batch.attn).meta
+            return self.blocks.run(x, hidden, rotary.cos, rotary.sin, meta, cache)
         delta = self.self_attn(x, rotary, bind(self.attention, batch.attn), cache)
         h, normed = self.post_attention_layernorm.add_forward(hidden, delta)
         return h + self.mlp(normed)
