@@ -12,6 +12,7 @@ from tokenizers import Tokenizer
 
 from tests.server_proc import running_server
 from tpserve.demo import demo_target
+from tpserve.layers.attention import cpu_native
 
 FLAGS = ("--device", "cpu", "--dtype", "float32", "--allreduce", "gloo", "--context-length", "256",
          "--kv-cache-gb", "0.05", "--max-running-requests", "8")
@@ -173,6 +174,10 @@ def test_bad_input_does_not_disturb_concurrent_requests(server: str) -> None:
 def test_info_endpoints_and_pages_returned(server: str) -> None:
     info = httpx.get(server + "/get_server_info", timeout=30).json()
     assert info["tp_size"] == 2 and info["allreduce_active"] == "gloo"
+    # The demo's 16-wide heads take the native attention, so its layers run natively too.
+    native = cpu_native.load()
+    assert info["layer_stack"] == ("native" if not native.reason else
+                                   "attention backend is not 'cpu'"), info["layer_stack"]
     assert info["kv_pages_free"] == info["kv_pages_total"] > 0
     assert info["num_running_reqs"] == 0 and info["num_waiting_reqs"] == 0
     model = httpx.get(server + "/get_model_info", timeout=30).json()

@@ -48,12 +48,20 @@ class ServerState:
         return {**args, **self.static_info, **live}
 
 
+def _layer_stack(model: Any) -> str:
+    if getattr(model, "stack", None) is not None:
+        return "native"
+    return getattr(model, "stack_reason", "") or "not a Llama-family model"
+
+
 def _engine_snapshot(engine: Any) -> dict[str, Any]:
     sched = engine.scheduler
     comm = engine.runner.comm
     stats = engine.stats
     return {
         "allreduce_active": comm.active_name if comm else None,
+        # The native layer stack (layers/fused_decoder.py) or why the Python layers run.
+        "layer_stack": _layer_stack(engine.runner.model),
         "allreduce_stats": comm.stats() if comm else {},
         "kv_pages_total": sched.allocator.num_usable,
         # Free for a new request: the free list plus cached pages nobody uses (evictable).
