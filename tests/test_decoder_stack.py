@@ -180,9 +180,9 @@ def test_stack_applies_only_where_it_can() -> None:
     assert model.stack.fits(torch.zeros(1, dtype=torch.long))
 
 
-def test_engine_uses_the_stack_for_decode(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A served-style decode step goes through the native stack (so the default is the fast
-    path), and a disabled stack gives the same greedy tokens."""
+def test_a_decode_forward_goes_through_the_stack(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With default settings a decode-shaped forward takes the native stack (the engine-level
+    checks: test_model_vs_hf's native-stack test and the server's ``layer_stack`` info)."""
     _native_or_skip()
     from tpserve.layers import fused_decoder
 
