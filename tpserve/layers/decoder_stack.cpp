@@ -42,20 +42,19 @@ at::Tensor paged_attention_call(const at::Tensor &q, const at::Tensor &k, const 
                           const at::Tensor &, const at::Tensor &,
                           const std::optional<at::Tensor> &, const std::optional<at::Tensor> &,
                           int64_t, int64_t, double);
-    // Looked up at the first call: the attention libraries load after this one.
-    static const auto wide = c10::Dispatcher::singleton()
-                                 .findSchemaOrThrow("tpserve::paged_attention", "")
-                                 .typed<Fn>();
+    // Looked up at the first call: the attention libraries load after this one (and the
+    // narrow one only exists on AVX-512 machines, so it is looked up only when asked for).
+    auto lookup = [](const char *name) {
+        return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Fn>();
+    };
+    static const auto wide = lookup("tpserve::paged_attention");
+    const auto *op = &wide;
     if (s.narrow) {
-        static const auto narrow = c10::Dispatcher::singleton()
-                                       .findSchemaOrThrow("tpserve::paged_attention_narrow", "")
-                                       .typed<Fn>();
-        return narrow.call(q, k, v, k_cache, v_cache, s.page_table, s.q_indptr, s.kv_lens,
-                           s.write_slots, s.mask_start, s.custom_mask, s.page_size, s.window,
-                           s.scale);
+        static const auto narrow = lookup("tpserve::paged_attention_narrow");
+        op = &narrow;
     }
-    return wide.call(q, k, v, k_cache, v_cache, s.page_table, s.q_indptr, s.kv_lens, s.write_slots,
-                   s.mask_start, s.custom_mask, s.page_size, s.window, s.scale);
+    return op->call(q, k, v, k_cache, v_cache, s.page_table, s.q_indptr, s.kv_lens,
+                    s.write_slots, s.mask_start, s.custom_mask, s.page_size, s.window, s.scale);
 }
 
 // linear.py's linear() for the rows it sends to tpserve::matmul: y = x W^T, then `y + bias`.

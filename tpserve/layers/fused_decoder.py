@@ -38,46 +38,69 @@ LAYER_TENSORS = 10
 KVPair = tuple[torch.Tensor, torch.Tensor]
 
 
-def _unfused_reason(model: Any) -> str | None:
+def _common_reason(attention: Any, rotary: Any) -> str | None:
+    """What the target stack and the draft midlayer both need of the model: the switch on,
+    the C++ ops, the ``cpu`` attention backend, NeoX rotary."""
     from tpserve.layers.attention.cpu_backend import CpuAttention
-    from tpserve.models.llama import MLP, DecoderLayer
 
     if os.environ.get("TPSERVE_FUSED_DECODER", "1") == "0":
         return "disabled by TPSERVE_FUSED_DECODER=0"
     if cpu_ops.load().impl != "c++":
         return "the C++ ops are not built"
-    if not isinstance(getattr(model, "attention", None), CpuAttention):
+    if not isinstance(attention, CpuAttention):
         return "attention backend is not 'cpu'"
-    if model.rotary.interleaved:
+    if rotary.interleaved:
         return "interleaved rotary"
-    for layer in model.layers:
-        attn = getattr(layer, "self_attn", None)
-        if type(layer) is not DecoderLayer or type(layer.mlp) is not MLP:
-            return "not a dense Llama-family layer"
-        if attn.q_norm is not None:
-            return "q/k norm"
-        if (type(attn.qkv_proj) is not QKVParallelLinear
-                or type(attn.o_proj) is not RowParallelLinear
-                or type(layer.mlp.gate_up_proj) is not ColumnParallelLinear
-                or type(layer.mlp.down_proj) is not RowParallelLinear):
-            return "a projection is not a plain dense linear"
     return None
 
 
-def _layer_tensors(layer: Any, reduced_later: bool) -> list[torch.Tensor | None]:
-    """One layer's tensors; row-parallel biases go after the reduction (so: not to the op)
-    when ``reduced_later``."""
+def _layer_reason(attn: Any, mlp: Any) -> str | None:
+    """...and of each layer: no q/k norm, plain dense projections, a dense MLP."""
+    from tpserve.models.llama import MLP
+
+    if attn.q_norm is not None:
+        return "q/k norm"
+    if type(mlp) is not MLP:
+        return "not a dense Llama-family layer"
+    if (type(attn.qkv_proj) is not QKVParallelLinear or type(attn.o_proj) is not RowParallelLinear
+            or type(mlp.gate_up_proj) is not ColumnParallelLinear
+            or type(mlp.down_proj) is not RowParallelLinear):
+        return "a projection is not a plain dense linear"
+    return None
+
+
+def _unfused_reason(model: Any) -> str | None:
+    from tpserve.models.llama import DecoderLayer
+
+    reason = _common_reason(getattr(model, "attention", None), model.rotary)
+    if reason is not None:
+        return reason
+    for layer in model.layers:
+        if type(layer) is not DecoderLayer:
+            return "not a dense Llama-family layer"
+        reason = _layer_reason(layer.self_attn, layer.mlp)
+        if reason is not None:
+            return reason
+    return None
+
+
+def _reduced(comm: Any, partial: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``RowParallelLinear``'s tail: the allreduce, then the bias once."""
+    total = comm.all_reduce(partial)
+    return total if bias is None else total + bias
+
+
+def _layer_tensors(layer: Any) -> list[torch.Tensor | None]:
     attn, mlp = layer.self_attn, layer.mlp
     return [layer.input_layernorm.weight, attn.qkv_proj.weight, attn.qkv_proj.bias,
-            attn.o_proj.weight, None if reduced_later else attn.o_proj.bias,
-            layer.post_attention_layernorm.weight, mlp.gate_up_proj.weight, mlp.gate_up_proj.bias,
-            mlp.down_proj.weight, None if reduced_later else mlp.down_proj.bias]
+            attn.o_proj.weight, attn.o_proj.bias, layer.post_attention_layernorm.weight,
+            mlp.gate_up_proj.weight, mlp.gate_up_proj.bias, mlp.down_proj.weight,
+            mlp.down_proj.bias]
 
 
 @dataclass(frozen=True)
 class DecoderStack:
     weights: list[torch.Tensor | None]  # LAYER_TENSORS per layer
-    row_biases: list[tuple[torch.Tensor | None, torch.Tensor | None]]  # (o, down), TP > 1
     tp: TPContext
     q_heads: int
     kv_heads: int
@@ -91,12 +114,9 @@ class DecoderStack:
         reason = _unfused_reason(model)
         if reason is not None:
             return None, reason
-        split = model.tp.size > 1
-        weights = [t for layer in model.layers for t in _layer_tensors(layer, split)]
-        biases = [(layer.self_attn.o_proj.bias, layer.mlp.down_proj.bias)
-                  for layer in model.layers]
+        weights = [t for layer in model.layers for t in _layer_tensors(layer)]
         attn = model.layers[0].self_attn
-        return cls(weights, biases, model.tp, attn.heads, attn.kv_heads, attn.head_dim,
+        return cls(weights, model.tp, attn.heads, attn.kv_heads, attn.head_dim,
                    model.layers[0].input_layernorm.eps, model.attention.narrow), ""
 
     @staticmethod
@@ -117,38 +137,22 @@ class DecoderStack:
             return torch.ops.tpserve.decoder_layers(
                 x, self.weights[start * LAYER_TENSORS : end * LAYER_TENSORS],
                 [k for k, _ in kv[start:end]], [v for _, v in kv[start:end]], *step, *dims)
+        # Tensor parallel: row-parallel biases (o: w[4], down: w[9]) go after the reduction.
         comm, delta = self.tp.comm, None
         for i in range(start, end):
             w = self.weights[i * LAYER_TENSORS : (i + 1) * LAYER_TENSORS]
             k_cache, v_cache = kv[i]
-            x, o = torch.ops.tpserve.decoder_attn_block(x, delta, *w[:5], cos, sin, k_cache,
-                                                        v_cache, *step[2:], *dims)
-            o_bias, down_bias = self.row_biases[i]
-            o = comm.all_reduce(o)
-            x, m = torch.ops.tpserve.decoder_mlp_block(x, o if o_bias is None else o + o_bias,
-                                                       *w[5:], self.eps)
-            m = comm.all_reduce(m)
-            delta = m if down_bias is None else m + down_bias
+            x, o = torch.ops.tpserve.decoder_attn_block(x, delta, *w[:4], None, cos, sin,
+                                                        k_cache, v_cache, *step[2:], *dims)
+            x, m = torch.ops.tpserve.decoder_mlp_block(x, _reduced(comm, o, w[4]), *w[5:9],
+                                                       None, self.eps)
+            delta = _reduced(comm, m, w[9])
         return x if delta is None else x + delta
 
 
 def _draft_unfused_reason(draft: Any) -> str | None:
-    from tpserve.layers.attention.cpu_backend import CpuAttention
-    from tpserve.models.llama import MLP
-
-    if os.environ.get("TPSERVE_FUSED_DECODER", "1") == "0":
-        return "disabled by TPSERVE_FUSED_DECODER=0"
-    if cpu_ops.load().impl != "c++":
-        return "the C++ ops are not built"
-    if not isinstance(draft.attention, CpuAttention):
-        return "attention backend is not 'cpu'"
-    attn = draft.self_attn
-    if draft.rotary.interleaved or attn.q_norm is not None:
-        return "interleaved rotary or q/k norm"
-    if (type(attn.qkv_proj) is not QKVParallelLinear or type(attn.o_proj) is not RowParallelLinear
-            or type(draft.mlp) is not MLP):
-        return "a projection is not a plain dense linear"
-    return None
+    return (_common_reason(draft.attention, draft.rotary)
+            or _layer_reason(draft.self_attn, draft.mlp))
 
 
 @dataclass(frozen=True)
@@ -159,19 +163,19 @@ class DraftBlocks:
     nearly all per-op dispatch. Bit-equal to ``Eagle3Draft.forward``'s Python layer."""
 
     draft: Any
-    narrow: bool
 
     @classmethod
     def of(cls, draft: Any) -> tuple[DraftBlocks | None, str]:
         reason = _draft_unfused_reason(draft)
         if reason is not None:
             return None, reason
-        return cls(draft, draft.attention.narrow), ""
+        return cls(draft), ""
 
     def run(self, x: torch.Tensor, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
             meta: AttentionMetadata, cache: KVPair) -> torch.Tensor:
         d = self.draft
         attn, mlp, spec = d.self_attn, d.mlp, d.attention.spec
+        # One rank: the biases go into the ops; several: after each reduction.
         split = d.tp.size > 1
         o_bias, down_bias = attn.o_proj.bias, mlp.down_proj.bias
         _, o = torch.ops.tpserve.decoder_attn_block(
@@ -179,15 +183,13 @@ class DraftBlocks:
             None if split else o_bias, cos, sin, cache[0], cache[1], meta.page_table,
             meta.q_indptr, meta.kv_lens, meta.write_slots, meta.mask_start, meta.custom_mask,
             meta.page_size, spec.window, spec.scale, attn.heads, attn.kv_heads, attn.head_dim,
-            d.post_attention_layernorm.eps, self.narrow)
+            d.post_attention_layernorm.eps, d.attention.narrow)
         if split:
-            o = d.tp.comm.all_reduce(o)
-            o = o if o_bias is None else o + o_bias
+            o = _reduced(d.tp.comm, o, o_bias)
         h, m = torch.ops.tpserve.decoder_mlp_block(
             hidden, o, d.post_attention_layernorm.weight, mlp.gate_up_proj.weight,
             mlp.gate_up_proj.bias, mlp.down_proj.weight, None if split else down_bias,
             d.post_attention_layernorm.eps)
         if split:
-            m = d.tp.comm.all_reduce(m)
-            m = m if down_bias is None else m + down_bias
+            m = _reduced(d.tp.comm, m, down_bias)
         return h + m
