@@ -23,7 +23,8 @@ from tpserve.engine.messages import (
 
 def _forward(feed: bool) -> ForwardStep:
     rng = np.random.default_rng(0)
-    draft = DraftFeed(np.array([7, 9], dtype=np.int64), np.array([], dtype=np.int64),
+    draft = DraftFeed(np.array([0, 1], dtype=np.int32),
+                      np.array([7, 9], dtype=np.int64), np.array([], dtype=np.int64),
                       np.array([4, 5, 6], dtype=np.int64), np.array([0, 3], dtype=np.int32),
                       np.array([True, False]))
     return ForwardStep(rng.integers(0, 1000, (2, 5)), np.array([5, 1], dtype=np.int32),

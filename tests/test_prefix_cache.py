@@ -38,6 +38,28 @@ def test_partial_and_duplicate_pages_are_freed() -> None:
     assert cache.release([], tokens[:8], [5, 6], computed=8) == [5, 6]
 
 
+def test_speculative_requests_match_only_pages_with_draft_kv() -> None:
+    """A request the draft did not follow leaves pages without draft KV: a speculative
+    request must not reuse them (its draft would attend to stale entries), and a later copy
+    that has them replaces them once nobody holds the old one."""
+    cache = PrefixCache(PS)
+    tokens = list(range(10, 23))  # 13 tokens: 3 full pages, one token over
+    cache.release([], tokens, [1, 2, 3], computed=12, drafted=0)
+    plain = cache.match(tokens, drafted=False)
+    assert [n.page for n in plain] == [1, 2, 3]
+    cache.release(plain, tokens, [1, 2, 3], computed=12)
+    assert cache.match(tokens, drafted=True) == []
+    # Draft KV written for 9 entries: pages covering entries [0, 8) are complete, not the 3rd.
+    assert cache.release([], tokens, [4, 5, 6], computed=12, drafted=9) == [1, 2, 6]
+    path = cache.match(tokens, drafted=True)
+    assert [n.page for n in path] == [4, 5]
+    # Held by a running request: an equally good copy is freed, the held page stays.
+    assert cache.release([], tokens, [7, 8, 9], computed=12, drafted=12) == [7, 8, 3]
+    cache.release(path, tokens, [4, 5], computed=8, drafted=8)
+    assert [n.page for n in cache.match(tokens, drafted=True)] == [4, 5, 9]
+    assert cache.num_pages == 3
+
+
 def test_eviction_is_lru_and_never_touches_locked_pages() -> None:
     cache = PrefixCache(PS)
     a, b = [1] * 8 + [2], [3] * 8 + [4]

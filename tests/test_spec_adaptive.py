@@ -104,8 +104,29 @@ def test_steps_aside_where_speculation_loses() -> None:
     assert not chooser.current.off
     picks = drive(chooser, 16, 200, rng)
     assert sum(p.off for p in picks[-100:]) >= 95
+    # One request, then a burst: the hold after a switch applies within a batch size only,
+    # so the burst is judged at once (the switch back to speculation was steps ago).
+    picks = drive(chooser, 1, 5, rng)
+    assert not picks[-1].off and chooser.steps - chooser.last_switch < chooser.cfg.hold_steps
+    assert drive(chooser, 16, 5, rng) == [OFF] * 5
     picks = drive(chooser, 1, 100, rng)  # back to one request: speculation returns
     assert not picks[-1].off
+
+
+def test_new_requests_are_followed_where_speculation_may_pay() -> None:
+    """Where plain decoding measured clearly faster, new requests are not followed (they
+    would pay for feeding the draft and never speculate), except when a speculative setting
+    is due for re-measurement there; unmeasured batch sizes are always followed."""
+    allowed = candidates(TREE, 8, shapes_fixed=False)
+    chooser = AdaptiveChooser(TREE, allowed)
+    rng = random.Random(1)
+    assert chooser.worth_following(1) and chooser.worth_following(16)  # nothing measured
+    drive(chooser, 1, 100, rng)
+    drive(chooser, 16, 100, rng)
+    assert chooser.worth_following(1)  # speculation wins at batch 1 on the fake machine
+    assert not chooser.worth_following(16) and not chooser.worth_following(12)
+    drive(chooser, 1, chooser.cfg.refresh_every + 1, rng)  # batch 16's spec data grow stale
+    assert chooser.worth_following(16)
 
 
 @pytest.fixture(scope="module")
@@ -143,39 +164,136 @@ CODE = ("def ", "import numpy as np\nimport torch\n",
         "for i in range(10):\n    print(i)\n    if i > 5:\n        break\n")
 
 
-def test_deferred_draft_rows_catch_up() -> None:
-    """Plain steps while speculation is off defer the draft's rows (mixed with prompt chunks
-    that extend it at once); switched back on, the draft catches up and is accepted as well
-    as if it had never stepped aside (the demo pair: a draft that is really accepted)."""
+@pytest.fixture(scope="module")
+def demo_ref() -> tuple[list[list[int]], list[list[int]]]:
+    """The demo prompts and their plain greedy outputs (a server without a draft)."""
     torch.set_num_threads(1)
-    params = SamplingParams(max_new_tokens=48, temperature=0.0, ignore_eos=True)
     plain = OfflineEngine(ServerArgs(**DEMO))  # type: ignore[arg-type]
     prompts = [plain.tokenizer.encode(t, add_special_tokens=False).ids for t in CODE]
-    ref = [o.output_ids for o in plain.generate(prompts, params)]
+    ref = [o.output_ids for o in plain.generate(prompts, DEMO_PARAMS)]
     plain.close()
-    spec = OfflineEngine(ServerArgs(**DEMO, speculative_algorithm="EAGLE3",  # type: ignore[arg-type]
-                                    speculative_adaptive="off"))
-    engine = spec.engine
-    engine.reconfigure({"speculative": {"enabled": False}})
+    return prompts, ref
+
+
+DEMO_PARAMS = SamplingParams(max_new_tokens=96, temperature=0.0, ignore_eos=True)
+
+
+def demo_spec(**kw: object) -> OfflineEngine:
+    torch.set_num_threads(1)
+    return OfflineEngine(ServerArgs(**DEMO, speculative_algorithm="EAGLE3",  # type: ignore[arg-type]
+                                    **kw))
+
+
+class AuxSpy:
+    """Records, per target forward, whether it computed the draft's auxiliary states."""
+
+    def __init__(self, runner: object) -> None:
+        self.calls: list[bool] = []
+        inner = runner.forward  # type: ignore[attr-defined]
+
+        def forward(step, rows, aux_layers=()):  # type: ignore[no-untyped-def]
+            self.calls.append(bool(aux_layers))
+            return inner(step, rows, aux_layers)
+
+        runner.forward = forward  # type: ignore[attr-defined]
+
+
+def run_steps(engine: object, on_step: dict[int, dict]) -> list[str]:
+    """Step until idle, applying ``on_step[n]`` as a live change after step n; the kinds."""
+    kinds = []
+    while engine.scheduler.has_work():  # type: ignore[attr-defined]
+        batch = engine.next_batch()  # type: ignore[attr-defined]
+        assert batch is not None
+        kinds.append(batch.kind)
+        engine.step(batch)  # type: ignore[attr-defined]
+        change = on_step.get(engine.stats.steps)  # type: ignore[attr-defined]
+        if change is not None:
+            engine.reconfigure(change)  # type: ignore[attr-defined]
+    return kinds
+
+
+def test_deferred_draft_rows_catch_up(demo_ref: tuple[list, list]) -> None:
+    """A short stretch of plain steps defers the draft's rows; switched back on, the draft
+    catches up in one extend and is accepted as well as if it had never stepped aside (the
+    demo pair: a draft that is really accepted)."""
+    prompts, ref = demo_ref
+    spec = demo_spec(speculative_adaptive="off")
+    engine, decoder = spec.engine, spec.spec
     sink: dict = {}
-    reqs = [spec.request(p, params, sink) for p in prompts]
+    reqs = [spec.request(p, DEMO_PARAMS, sink) for p in prompts]
     for req in reqs:
         engine.scheduler.add(req)
-    kinds, deferred = set(), 0
-    while engine.scheduler.has_work():
-        batch = engine.next_batch()
-        assert batch is not None
-        kinds.add(batch.kind)
-        engine.step(batch)
-        deferred = max(deferred, max((len(v) for v in spec.spec.drafter.pending.values()),
-                                     default=0))
-        if engine.stats.steps == 24:
-            engine.reconfigure({"speculative": {"enabled": True}})
-    stats = spec.spec.snapshot()
+    off, on = {"speculative": {"enabled": False}}, {"speculative": {"enabled": True}}
+    deferred: list[list[int]] = []  # per plain step: each request's pending draft rows
+    inner = engine.step
+
+    def step(batch):  # type: ignore[no-untyped-def]
+        inner(batch)
+        if not decoder.enabled:
+            deferred.append([len(decoder.drafter.pending.get(id(r), ())) for r in reqs])
+
+    engine.step = step
+    run_steps(engine, {9: off, 9 + 8: on})
+    stats = decoder.snapshot()
     spec.close()
     assert [sink[r.rid].output_ids for r in reqs] == ref
-    assert "mixed" in kinds and deferred > 10  # rows really were deferred, next to chunks
+    # Eight plain steps: every request kept being followed, holding 8 or more rows.
+    assert len(deferred) == 8 and min(deferred[-1]) >= 8, deferred
     assert stats["avg_accept_length"] > 2.0, stats
+
+
+def test_a_long_stretch_aside_lets_requests_go(demo_ref: tuple[list, list]) -> None:
+    """Past MAX_DEFERRED plain decode tokens the draft stops following a request: its steps
+    compute no auxiliary states, it never speculates again (also once speculation is back
+    on), and requests admitted after that speculate. Greedy outputs never change."""
+    from tpserve.spec.decoder import MAX_DEFERRED
+
+    prompts, ref = demo_ref
+    spec = demo_spec(speculative_adaptive="off")
+    engine, decoder = spec.engine, spec.spec
+    spy = AuxSpy(spec.built.runner)
+    sink: dict = {}
+    first = [spec.request(p, DEMO_PARAMS, sink) for p in prompts[:2]]
+    for req in first:
+        engine.scheduler.add(req)
+    off, on = {"speculative": {"enabled": False}}, {"speculative": {"enabled": True}}
+    run_steps(engine, {4: off, 4 + MAX_DEFERRED + 6: on})
+    spec_steps = decoder.snapshot()["steps"]
+    tail = spy.calls[4 + MAX_DEFERRED + 1:]
+    assert not decoder.drafter.pending and tail and not any(tail), spy.calls
+    later = [spec.request(p, DEMO_PARAMS, sink) for p in prompts[2:]]
+    for req in later:
+        engine.scheduler.add(req)
+    run_steps(engine, {})
+    stats = decoder.snapshot()
+    spec.close()
+    assert [sink[r.rid].output_ids for r in first + later] == ref
+    assert stats["steps"] > spec_steps and stats["avg_accept_length"] > 2.0, stats
+
+
+def test_requests_admitted_aside_hold_the_chooser_off(demo_ref: tuple[list, list]) -> None:
+    """With the chooser on, a running request that the draft does not follow (admitted while
+    speculation was pinned off) keeps every step plain and costs no draft work; once it is
+    gone, a new request is followed and speculates."""
+    prompts, ref = demo_ref
+    spec = demo_spec(speculative_adaptive="on")
+    engine, decoder = spec.engine, spec.spec
+    spy = AuxSpy(spec.built.runner)
+    engine.reconfigure({"speculative": {"enabled": False}})  # pinned: the chooser rests
+    sink: dict = {}
+    aside = spec.request(prompts[0], DEMO_PARAMS, sink)
+    engine.scheduler.add(aside)
+    chooser = engine.adaptive.chooser
+    run_steps(engine, {3: {"speculative": {"adaptive": True}}})
+    assert decoder.snapshot()["steps"] == 0 and not any(spy.calls)
+    assert chooser.current == OFF and chooser.steps > 0
+    follow = spec.request(prompts[1], DEMO_PARAMS, sink)
+    engine.scheduler.add(follow)
+    run_steps(engine, {})
+    stats = decoder.snapshot()
+    spec.close()
+    assert [sink[r.rid].output_ids for r in (aside, follow)] == ref[:2]
+    assert stats["steps"] > 0 and stats["avg_accept_length"] > 2.0, stats
 
 
 def test_ab_harness_has_an_adaptive_arm() -> None:
@@ -224,7 +342,7 @@ def test_measured_throughput_outweighs_a_wrong_acceptance_model() -> None:
 
 def test_prompt_steps_count_against_the_setting_that_runs() -> None:
     """A prefill-only step's time goes into the next decode step's cost; a mixed step (plain
-    decoding with a prompt chunk riding along) is a plain decode step."""
+    decoding with a prompt chunk riding along) is not measured: its time is its chunk's."""
     from tpserve.engine.adapt import AdaptiveDriver
 
     chooser = AdaptiveChooser(TREE, candidates(TREE, 8, shapes_fixed=False))
@@ -232,9 +350,10 @@ def test_prompt_steps_count_against_the_setting_that_runs() -> None:
     driver.observe(TREE, "prefill", 0, 0.010, 1)
     driver.observe(TREE, "decode", 4, 0.020, 12)
     assert chooser.costs[4][TREE].step_ms.value == pytest.approx(30.0)
-    driver.observe(OFF, "mixed", 3, 0.008, 4)
-    assert chooser.costs[4][OFF].step_ms.value == pytest.approx(8.0)
-    assert driver.carry == 0.0
+    driver.observe(OFF, "mixed", 3, 0.066, 4)
+    assert OFF not in chooser.costs[4] and driver.carry == 0.0
+    driver.observe(OFF, "decode", 3, 0.005, 3)
+    assert chooser.costs[4][OFF].step_ms.value == pytest.approx(5.0)
     driver.observe(OFF, "prefill", 0, 0.5, 1, stalled=False)  # nothing else was running
     assert driver.carry == 0.0
     driver.on = False

@@ -76,12 +76,14 @@ class AdaptiveDriver:
               ) -> AbstractContextManager[None]:
         return clocked(inner, self.phases, name)
 
-    def change_for(self, spec: SpecDecoder, running: int) -> ConfigChange | None:
+    def change_for(self, spec: SpecDecoder, running: int,
+                   followed: bool = True) -> ConfigChange | None:
         """Before a step over ``running`` requests: the change every rank must apply for the
-        chooser's setting (None: keep the current one)."""
+        chooser's setting (None: keep the current one). Unless the draft ``followed`` every
+        running request, plain decoding is the only choice."""
         if not self.on or not running:
             return None
-        choice = self.chooser.choose(running)
+        choice = self.chooser.choose(running) if followed else self.chooser.step_aside(running)
         if choice == current_setting(spec):
             return None
         return ConfigChange(speculative=settings_for(choice, spec))
@@ -91,21 +93,22 @@ class AdaptiveDriver:
         """After a step of ``kind`` with ``batch`` decoding requests: its wall time, forward
         and draft time, tokens appended.
 
-        Prompt steps count against the setting too: with speculation on, a new prompt is a
-        step of its own (its verify is a tree forward, not mixable), while plain decoding
-        carries prompt chunks inside its decode steps ("mixed"). A prefill-only step that
+        Prompt work costs every setting about alike, but with speculation on a new prompt is
+        a step of its own (its verify is a tree forward, not mixable) while plain decoding
+        carries prompt chunks inside its decode steps ("mixed"). So a prefill-only step that
         ``stalled`` running requests adds its time to the next decode step's (one with nothing
-        else running costs every setting alike), and a mixed step counts as plain decoding;
-        otherwise speculation looked faster per decode step than it was per second (demo pair,
-        8 clients: predicted 1.13x plain, served 0.78x)."""
+        else running costs every setting alike), and a mixed step is not measured: its time
+        is mostly its prompt chunk (one such 66 ms step among 5 ms decode steps made plain
+        decoding look 1.5x slower than it was at 8 clients on the demo pair)."""
         if not self.on:
             self.carry = 0.0
         elif kind == "prefill" or not batch:
             self.carry += seconds if stalled else 0.0
+        elif kind == "mixed":
+            pass
         else:
             ph = self.phases
-            forward = (ph.get("verify", 0.0) if not setting.off
-                       else ph.get("decode", 0.0) + ph.get("mixed", 0.0))
+            forward = ph.get("decode" if setting.off else "verify", 0.0)
             self.chooser.observe(setting, batch, 1e3 * (seconds + self.carry), 1e3 * forward,
                                  1e3 * ph.get("draft", 0.0), appended)
             self.carry = 0.0

@@ -146,6 +146,8 @@ def build_engine(args: ServerArgs, on_stage: StageHook = _no_hook) -> BuiltEngin
         scheduler = _scheduler(args, kv, context_length, spec_cfg, info.device)
         engine = Engine(runner, scheduler, channel, context_length, spec)
         engine.mixed = not args.disable_mixed_chunk
+        if spec is not None:
+            scheduler.drafted = spec.drafted
         engine.adaptive = make_driver(args, spec, engine.scheduler.cfg.decode_lookahead,
                                       runner.static)
     return BuiltEngine(args, info, cfg, model_dir, comm, runner, spec, context_length, dtype,

@@ -36,6 +36,7 @@ from tpserve.engine.request import Request
 from tpserve.engine.runner import ModelRunner
 from tpserve.engine.sampler import apply_min_tokens, apply_penalties, sample
 from tpserve.engine.scheduler import ScheduledBatch, Scheduler
+from tpserve.spec.adaptive import OFF
 from tpserve.spec.decoder import Decision, SpecDecoder
 from tpserve.spec.verify import Accepted
 
@@ -143,16 +144,40 @@ class Engine:
         """Mixed batches unless speculation is on (its verify is a tree forward of its own)."""
         self._adapt()
         speculating = self.spec is not None and self.spec.enabled
-        return self.scheduler.next_batch(mixed=self.mixed and not speculating)
+        return self.scheduler.next_batch(mixed=self.mixed and not speculating,
+                                         drafted=self._follow_new())
+
+    def _follow_new(self) -> bool:
+        """Whether the draft follows requests admitted now: while speculation is on, and
+        when the chooser drives it and finds following worth it at this batch size (a
+        request it then keeps off is let go after ``MAX_DEFERRED`` tokens). Pinned off,
+        requests cost what they cost without a draft."""
+        spec, adaptive = self.spec, self.adaptive
+        if spec is None or spec.enabled:
+            return spec is not None
+        return (adaptive is not None and adaptive.on
+                and adaptive.chooser.worth_following(self._upcoming()))
+
+    def _upcoming(self) -> int:
+        """The batch once waiting requests are admitted (what the next settings are for)."""
+        sched = self.scheduler
+        return min(len(sched.running) + len(sched.waiting), sched.cfg.max_running_requests)
+
+    def _speculates(self, batch: ScheduledBatch) -> bool:
+        """A decode batch whose every request the draft follows, with speculation on."""
+        spec = self.spec
+        return (spec is not None and spec.enabled and batch.kind == "decode"
+                and all(spec.follows(r) for r in batch.requests))
 
     def step(self, batch: ScheduledBatch) -> None:
         start = time.perf_counter()
         if self.runner.comm is not None:
             self.runner.comm.check()  # a collective that failed asynchronously (cuda_p2p)
-        speculating = self.spec is not None and self.spec.enabled and batch.kind == "decode"
+        speculating = self._speculates(batch)
         # The setting this step runs under, for the chooser (only where one is set up).
-        setting = (current_setting(self.spec)
-                   if self.adaptive is not None and self.spec is not None else None)
+        setting = None
+        if self.adaptive is not None and self.spec is not None:
+            setting = current_setting(self.spec) if speculating else OFF
         if speculating:
             appended = self._spec_step(batch)
         else:
@@ -174,7 +199,9 @@ class Engine:
         between the same two steps (a ``ConfigChange``, like a live admin switch)."""
         if self.spec is None or self.adaptive is None:
             return
-        change = self.adaptive.change_for(self.spec, len(self.scheduler.running))
+        # Speculation needs every running request followed by the draft.
+        followed = all(self.spec.follows(r) for r in self.scheduler.running)
+        change = self.adaptive.change_for(self.spec, self._upcoming(), followed)
         if change is not None:
             self.broadcast(change)
             apply_change(change, self.runner.comm, self.runner.static, self.spec)
@@ -187,7 +214,7 @@ class Engine:
         msg = self.scheduler.plan(batch)
         if self.spec is not None:
             msg = replace(msg, feed=self.spec.draft_feed(batch.requests, self._live(),
-                                                          batch.q_lens))
+                                                          batch.q_lens, self._follow_new()))
         with prof.phase("control"):
             self.broadcast(msg)
         with self._phase(batch.kind):

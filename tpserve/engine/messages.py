@@ -22,16 +22,21 @@ import numpy as np
 
 @dataclass(frozen=True)
 class DraftFeed:
-    """What a plain forward step tells the speculative decoder when a draft is loaded."""
+    """What a plain forward step tells the speculative decoder when a draft is loaded.
 
-    keys: np.ndarray  # [B] int64: the decoder's key of each request in the step
-    drop: np.ndarray  # [D] int64: keys of requests that finished (forget their state)
-    prev_tokens: np.ndarray  # flat int64: per request, tokens pairing with held features
-    prev_lens: np.ndarray  # [B] int32: how many of prev_tokens belong to each request
-    fresh: np.ndarray  # [B] bool: the request's first chunk since admission (no draft state)
-    # [B] bool: keep this step's features pending instead of extending the draft now (plain
-    # decode steps while speculation steps aside: the next speculative step, or a flush at
-    # ``MAX_DEFERRED`` pending rows, writes them in one batched draft forward)
+    The draft follows only the step's requests in ``rows``: those admitted while speculation
+    was on, until they have stepped aside for long. The others cost what they cost on a server
+    without a draft (no auxiliary states, no draft work); they never speculate."""
+
+    rows: np.ndarray  # [T] int32: indices (into the step's requests) of the followed ones
+    keys: np.ndarray  # [T] int64: the decoder's key of each followed request
+    drop: np.ndarray  # [D] int64: keys whose state is forgotten (finished, or let go)
+    prev_tokens: np.ndarray  # flat int64: per followed request, tokens pairing with held features
+    prev_lens: np.ndarray  # [T] int32: how many of prev_tokens belong to each followed request
+    fresh: np.ndarray  # [T] bool: the request's first chunk since admission (no draft state)
+    # [T] bool: keep this step's features pending instead of extending the draft now (plain
+    # decode steps while speculation steps aside: the next speculative step writes them in one
+    # batched draft forward; past ``MAX_DEFERRED`` rows the request is let go instead)
     defer: np.ndarray | None = None
 
 

@@ -8,6 +8,11 @@ full pages to the tree. Pages referenced by running requests are locked; unlocke
 evicted least-recently-used when the allocator runs dry, and ``flush`` drops every unlocked
 page. Only page ids live here: every rank keeps its KV where it is, and followers never know
 whether a page was reused.
+
+With an EAGLE-3 draft loaded, the draft's KV shares the page table, but a request that ran
+while speculation stepped aside never wrote it: each page says whether its draft KV is
+complete, a speculative request matches only such pages, and a later copy of a page that has
+its draft KV replaces one that lacks it (when no running request holds the old one).
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ class _Node:
     children: dict[tuple[int, ...], _Node] = field(default_factory=dict)
     refs: int = 0  # running requests whose prefix goes through this page
     last_used: int = 0
+    drafted: bool = False  # the draft's KV of this page was written too
 
 
 @dataclass
@@ -64,8 +70,9 @@ class PrefixCache:
         ps = self.page_size
         return [tuple(tokens[i * ps : (i + 1) * ps]) for i in range(pages)]
 
-    def match(self, tokens: Sequence[int]) -> list[_Node]:
-        """The cached pages of the longest prefix of ``tokens`` that leaves one token over.
+    def match(self, tokens: Sequence[int], drafted: bool = False) -> list[_Node]:
+        """The cached pages of the longest prefix of ``tokens`` that leaves one token over
+        (with ``drafted``: only pages whose draft KV was written).
 
         The returned path is locked until ``release``; its pages are ``[n.page for n in path]``.
         """
@@ -74,7 +81,7 @@ class PrefixCache:
         now = next(self._clock)
         for chunk in self._chunks(tokens, (len(tokens) - 1) // self.page_size):
             child = node.children.get(chunk)
-            if child is None:
+            if child is None or (drafted and not child.drafted):
                 break
             self.locked_pages += child.refs == 0
             child.refs += 1
@@ -84,9 +91,10 @@ class PrefixCache:
         return path
 
     def release(self, path: list[_Node], tokens: Sequence[int], pages: list[int],
-                computed: int) -> list[int]:
+                computed: int, drafted: int = 0) -> list[int]:
         """A request is done with its pages: unlock its matched ``path``, give the tree its
-        full pages (the first ``computed`` tokens have KV), return the pages to free."""
+        full pages (the first ``computed`` tokens have KV, the first ``drafted`` draft KV
+        entries were written), return the pages to free."""
         for node in path:
             node.refs -= 1
             self.locked_pages -= node.refs == 0
@@ -94,13 +102,20 @@ class PrefixCache:
         full = min(computed // self.page_size, len(pages))
         node, free = self.root, list(pages[full:])
         now = next(self._clock)
-        for chunk, page in zip(self._chunks(tokens, full), pages[:full], strict=True):
+        for i, (chunk, page) in enumerate(zip(self._chunks(tokens, full), pages[:full],
+                                              strict=True)):
+            with_draft = (i + 1) * self.page_size <= drafted
             child = node.children.get(chunk)
             if child is None:
-                child = _Node(page=page, key=chunk, parent=node)
+                child = _Node(page=page, key=chunk, parent=node, drafted=with_draft)
                 node.children[chunk] = child
                 self.num_pages += 1
-            elif child.page != page:
+            elif child.page == page:
+                child.drafted = child.drafted or with_draft
+            elif with_draft and not child.drafted and child.refs == 0:
+                free.append(child.page)  # this copy also has the draft's KV: keep it instead
+                child.page, child.drafted = page, True
+            else:
                 free.append(page)  # the same tokens were cached meanwhile: keep one copy
             child.last_used = now
             node = child

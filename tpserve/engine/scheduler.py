@@ -18,6 +18,7 @@ hands its full pages to the cache; cached pages are evicted when the free list r
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -62,6 +63,9 @@ class Scheduler:
         self._prefer_decode = False
         self.preemptions = 0
         self.cache = PrefixCache(cfg.page_size) if cfg.prefix_cache else None
+        # With a draft loaded: how many of a request's draft KV entries were written (the
+        # speculative decoder knows); the prefix cache marks the pages they cover.
+        self.drafted: Callable[[Request], int] | None = None
 
     def add(self, req: Request) -> None:
         self.waiting.append(req)
@@ -89,8 +93,9 @@ class Scheduler:
         """Give ``req``'s full pages to the prefix cache (if on) and free the rest."""
         pages = req.pages
         if self.cache is not None:
+            drafted = self.drafted(req) if self.drafted is not None else 0
             pages = self.cache.release(req.prefix_path, req.tokens(0, req.num_cached), pages,
-                                       req.num_cached)
+                                       req.num_cached, drafted)
         self.allocator.free(pages)
         req.pages, req.prefix_path = [], []
 
@@ -101,11 +106,12 @@ class Scheduler:
             pages = self.allocator.alloc(count)
         return pages
 
-    def _reuse_prefix(self, req: Request) -> None:
-        """On admission: start from the pages of the longest cached prefix."""
+    def _reuse_prefix(self, req: Request, drafted: bool) -> None:
+        """On admission: start from the pages of the longest cached prefix (``drafted``: of
+        those whose draft KV was written, for a request that will speculate)."""
         if self.cache is None or req.pages or req.num_cached:
             return
-        path = self.cache.match(req.tokens(0, req.seq_len))
+        path = self.cache.match(req.tokens(0, req.seq_len), drafted)
         req.prefix_path = path
         req.pages = [node.page for node in path]
         req.num_cached = req.cached_prefix = len(path) * self.cfg.page_size
@@ -138,14 +144,16 @@ class Scheduler:
         req.pages.extend(pages)
         return True
 
-    def next_batch(self, mixed: bool = False) -> ScheduledBatch | None:
+    def next_batch(self, mixed: bool = False, drafted: bool = False) -> ScheduledBatch | None:
+        """``drafted``: admitted requests will speculate (they reuse only cached pages whose
+        draft KV was written)."""
         if mixed:
             return self._mixed_batch()
         decode = [r for r in self.running if r.pending == 1]
         if decode and (self._prefer_decode or not self._prefill_possible()):
             self._prefer_decode = False
             return self._decode_batch()
-        prefill = self._prefill_batch()
+        prefill = self._prefill_batch(drafted=drafted)
         if prefill is not None:
             self._prefer_decode = True
             return prefill
@@ -181,7 +189,8 @@ class Scheduler:
         return ScheduledBatch("mixed", decode.requests + prefill.requests,
                               decode.q_lens + prefill.q_lens)
 
-    def _prefill_batch(self, budget: int | None = None) -> ScheduledBatch | None:
+    def _prefill_batch(self, budget: int | None = None,
+                       drafted: bool = False) -> ScheduledBatch | None:
         budget = self.cfg.chunked_prefill_size if budget is None else budget
         reqs, lens = [], []
         for req in [r for r in self.running if r.pending > 1]:
@@ -196,7 +205,7 @@ class Scheduler:
             if self._cannot_ever_fit(req):
                 self.finish(req, "prompt needs more KV cache than the server has")
                 continue
-            self._reuse_prefix(req)
+            self._reuse_prefix(req, drafted)
             q = min(req.pending, budget)
             if not self.reserve(req, req.num_cached + q):
                 # Waiting requests hold no pages: a locked prefix here could starve everyone.

@@ -23,8 +23,10 @@ Three rules keep it honest and calm:
   (acceptance right after a stretch of plain steps is not the steady rate), and the
   chooser sat on the slower one for 330 steps;
 - a challenger replaces the current setting only when predicted ``margin`` faster, and not
-  within ``hold_steps`` of the last switch (hysteresis: no flapping on noise); speculation
-  must also be predicted ``margin`` faster than plain decoding to be chosen at all;
+  within ``hold_steps`` of the last switch at the same bucket (hysteresis: no flapping on
+  noise; a new batch size is judged at once: holding batch 1's setting for 16 steps after 7
+  more requests arrived cost the demo pair ~20% of each 8-client burst); speculation must
+  also be predicted ``margin`` faster than plain decoding to be chosen at all;
 - candidates are only settings whose KV lookahead was reserved at launch, and when forwards
   are captured or compiled per shape, only the captured shape (or plain decoding).
 """
@@ -66,6 +68,7 @@ class AdaptiveConfig:
     tokens_alpha: float = 0.02  # the same for tokens per step, which swing far more
     trust_requests: float = 256.0  # request-steps after which measured tok/s alone counts
     accept_decay: float = 0.99  # per verified tree: acceptance follows the current traffic
+    follow_slack: float = 0.10  # new requests are followed unless plain is this much faster
 
 
 @dataclass
@@ -157,6 +160,7 @@ class AdaptiveChooser:
         self.current = launch
         self.steps = 0
         self.last_switch = 0
+        self.switch_bucket: int | None = None  # the bucket the last switch was made at
         self.switches = 0
         self.last_bucket = 1
 
@@ -233,6 +237,30 @@ class AdaptiveChooser:
         self.current = pick
         return pick
 
+    def worth_following(self, batch: int) -> bool:
+        """Whether the draft should follow a request admitted into a batch of ``batch``: yes
+        unless plain decoding is measured clearly faster at that bucket and no speculative
+        setting is due for a re-measurement there. A request not followed never speculates,
+        but costs nothing (a followed one pays for its auxiliary states and deferred draft
+        rows until it is let go: 15-35% of a plain step)."""
+        bucket = bucket_of(batch)
+        table = self.costs.get(bucket, {})
+        plain = self.predict(bucket, OFF)
+        spec = [p for s in self.allowed if not s.off
+                and (p := self.predict(bucket, s)) is not None]
+        if plain is None or not spec:
+            return True
+        stale = any(self.steps - c.last_step > self.cfg.refresh_every
+                    for s, c in table.items() if not s.off)
+        return stale or max(spec) * (1 + self.cfg.follow_slack) >= plain
+
+    def step_aside(self, batch: int) -> Setting:
+        """The next step must decode plainly (the draft does not follow every request)."""
+        self.steps += 1
+        self.last_bucket = bucket_of(batch)
+        self.current = OFF
+        return OFF
+
     def _explore(self, table: dict[Setting, Costs]) -> Setting | None:
         """An anchor that still needs (re-)measuring at this bucket, else None."""
         need = [a for a in self.anchors
@@ -256,12 +284,13 @@ class AdaptiveChooser:
             preds[OFF] *= 1 + self.cfg.margin
         best = max(preds, key=lambda s: preds[s])
         now = preds.get(self.current)
-        held = self.steps - self.last_switch >= self.cfg.hold_steps
-        if best == self.current or (now is not None and not held):
+        free = (self.switch_bucket not in (None, bucket)
+                or self.steps - self.last_switch >= self.cfg.hold_steps)
+        if best == self.current or (now is not None and not free):
             return self.current
         if now is not None and preds[best] <= now * (1 + self.cfg.margin):
             return self.current
-        self.last_switch = self.steps
+        self.last_switch, self.switch_bucket = self.steps, bucket
         self.switches += 1
         return best
 

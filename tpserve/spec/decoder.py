@@ -25,10 +25,13 @@ from tpserve.spec.stats import SpecStats, record_request
 from tpserve.spec.verify import Accepted, accept_batch, node_logits, token_logprobs
 
 Logprobs = list[tuple[int, float, Any]] | None
-# Pending draft rows a request may hold while speculation steps aside: the batched extend
-# that writes them costs about one draft forward whatever their number, so deferring
-# amortises it; the cap bounds the memory (rows x hidden) and the catch-up work.
-MAX_DEFERRED = 32
+# Decode tokens a followed request may hold pending while speculation steps aside: the batched
+# extend that writes them costs about one draft forward whatever their number, so a short
+# stretch of plain steps (a re-measurement, an exploring chooser) keeps the request able to
+# speculate; past it the decoder lets the request go: feeding the draft costs a plain step
+# ~15-35% (aux states, their projection, per-request bookkeeping), for a speculation that the
+# chooser has kept off for this long.
+MAX_DEFERRED = 16
 
 
 def request_key(req: Request) -> int:
@@ -81,24 +84,51 @@ class SpecDecoder:
         alive = {request_key(r) for r in live}
         return np.array([k for k in self.drafter.pending if k not in alive], dtype=np.int64)
 
+    def follows(self, req: Request) -> bool:
+        """Whether the draft follows ``req`` (only such requests can speculate)."""
+        return request_key(req) in self.drafter.pending
+
+    def drafted(self, req: Request) -> int:
+        """Draft KV entries written for ``req`` (entry t - 1 pairs with token t)."""
+        held = self.drafter.pending.get(request_key(req))
+        return 0 if held is None else max(0, req.num_cached - len(held))
+
     def draft_feed(self, reqs: Sequence[Request], live: Sequence[Request],
-                   q_lens: Sequence[int]) -> DraftFeed:
-        """What a plain step must tell every rank's drafter about ``reqs``."""
-        fresh = [r.num_cached == r.cached_prefix for r in reqs]
-        defer = [self._defers(r, new, q) for r, new, q in zip(reqs, fresh, q_lens, strict=True)]
+                   q_lens: Sequence[int], follow_new: bool) -> DraftFeed | None:
+        """What a plain step must tell every rank's drafter about ``reqs`` (None: nothing).
+
+        The draft follows a new request if ``follow_new`` at its first chunk. A followed
+        request's decode token while speculation is off is deferred, and past
+        ``MAX_DEFERRED`` of them the request is let go."""
+        pending = self.drafter.pending
+        drop = set(self._drops(live).tolist())
+        rows, fresh, defer = [], [], []
+        for b, (req, q) in enumerate(zip(reqs, q_lens, strict=True)):
+            key = request_key(req)
+            new = req.num_cached == req.cached_prefix
+            held = None if new else pending.get(key)
+            if new and key in pending:
+                drop.add(key)  # a re-admitted request, or a finished one's reused id
+            if new and not follow_new or not new and held is None:
+                continue
+            late = not new and not self.enabled and q == 1
+            if late and held is not None and len(held) >= MAX_DEFERRED:
+                drop.add(key)
+                continue
+            rows.append(b)
+            fresh.append(new)
+            defer.append(late)
+        if not rows and not drop:
+            return None
+        followed = [reqs[b] for b in rows]
         prev = [[] if new or late else self._held_tokens(r)
-                for r, new, late in zip(reqs, fresh, defer, strict=True)]
-        return DraftFeed(np.array([request_key(r) for r in reqs], dtype=np.int64),
-                         self._drops(live),
+                for r, new, late in zip(followed, fresh, defer, strict=True)]
+        return DraftFeed(np.array(rows, dtype=np.int32),
+                         np.array([request_key(r) for r in followed], dtype=np.int64),
+                         np.array(sorted(drop), dtype=np.int64),
                          np.array([t for p in prev for t in p], dtype=np.int64),
                          np.array([len(p) for p in prev], dtype=np.int32),
                          np.array(fresh, dtype=np.bool_), np.array(defer, dtype=np.bool_))
-
-    def _defers(self, req: Request, fresh: bool, q_len: int) -> bool:
-        """A decode token while speculation is off: its draft row can wait (see DraftFeed)."""
-        held = self.drafter.pending.get(request_key(req))
-        return (not self.enabled and not fresh and q_len == 1 and held is not None
-                and len(held) < MAX_DEFERRED)
 
     def _held_tokens(self, req: Request) -> list[int]:
         """Tokens that pair with all but the last pending feature of ``req`` (none after a

@@ -95,28 +95,41 @@ class Drafter:
 
     @torch.inference_mode()
     def feed(self, step: ForwardStep) -> ForwardOutput:
-        """A plain target forward with aux states, then the draft over the same tokens."""
+        """A plain target forward, with aux states when the draft follows any of its
+        requests; then the draft over those requests' tokens."""
         assert step.feed is not None
         feed = step.feed
         self.forget(feed.drop)
+        if not len(feed.rows):
+            return self.runner.forward(step, step.logit_rows)
         out = self.runner.forward(step, step.logit_rows, self.aux_sorted)
-        feats = self._features(out.aux)
         row_starts = np.cumsum(step.q_lens) - step.q_lens
+        q_lens = step.q_lens[feed.rows]
+        if len(feed.rows) == len(step.q_lens):
+            feats = self._features(out.aux)
+        else:  # project only the followed requests' rows
+            index = np.concatenate([np.arange(r0, r0 + q) for r0, q in
+                                    zip(row_starts[feed.rows].tolist(), q_lens.tolist(),
+                                        strict=True)])
+            picked = torch.from_numpy(index).to(self.runner.device, non_blocking=True)
+            feats = self._features([a.index_select(0, picked) for a in out.aux])
         prev_ends = np.cumsum(feed.prev_lens)
         rows, toks, starts, extended = [], [], [], []
-        for b, key in enumerate(feed.keys.tolist()):
+        at = 0
+        for j, (b, key) in enumerate(zip(feed.rows.tolist(), feed.keys.tolist(), strict=True)):
             q, cached, r0 = int(step.q_lens[b]), int(step.cached_lens[b]), int(row_starts[b])
-            new = feats[r0 : r0 + q]
+            new = feats[at : at + q]
+            at += q
             chunk = torch.from_numpy(step.token_ids[r0 : r0 + q]).long()
-            if feed.defer is not None and feed.defer[b]:  # written by a later extend
+            if feed.defer is not None and feed.defer[j]:  # written by a later extend
                 self.pending[key] = torch.cat([self.pending[key], new])
                 continue
             extended.append(b)
-            if feed.fresh[b] and cached == 0:  # a new sequence: token 0 has no draft row
+            if feed.fresh[j] and cached == 0:  # a new sequence: token 0 has no draft row
                 rows.append(new[: q - 1])
                 toks.append(chunk[1:])
                 starts.append(0)
-            elif feed.fresh[b]:  # starts on cached pages: seed with the last page's feature
+            elif feed.fresh[j]:  # starts on cached pages: seed with the last page's feature
                 page = int(step.page_table[b, (cached - 1) // self.draft_kv.cfg.page_size])
                 rows.append(torch.cat([self.page_features[page : page + 1], new[: q - 1]]))
                 toks.append(chunk)
@@ -125,8 +138,8 @@ class Drafter:
                 # After a speculative step m > 1 features can be pending (the accepted path);
                 # they pair with the m - 1 tokens before this chunk, which the step carries.
                 held = self.pending[key]
-                end = int(prev_ends[b])
-                prev = torch.from_numpy(feed.prev_tokens[end - int(feed.prev_lens[b]) : end])
+                end = int(prev_ends[j])
+                prev = torch.from_numpy(feed.prev_tokens[end - int(feed.prev_lens[j]) : end])
                 rows.append(torch.cat([held, new[: q - 1]]))
                 toks.append(torch.cat([prev.long(), chunk]))
                 starts.append(cached - len(held))
