@@ -19,6 +19,8 @@ from tests.eagle_checkpoints import make_draft
 from tests.spec_helpers import args_for
 from tpserve.args import ServerArgs
 from tpserve.engine.sampling_params import SamplingParams
+from tpserve.layers import cpu_ops
+from tpserve.layers.attention import cpu_native
 from tpserve.offline import OfflineEngine
 from tpserve.spec.adaptive import OFF, AdaptiveChooser, Setting, bucket_of, candidates
 from tpserve.spec.verify import Accepted
@@ -240,6 +242,12 @@ def test_deferred_draft_rows_catch_up(demo_ref: tuple[list, list]) -> None:
     # Eight plain steps: every request kept being followed, holding 8 or more rows.
     assert len(deferred) == 8 and min(deferred[-1]) >= 8, deferred
     assert stats["avg_accept_length"] > 2.0, stats
+    # With the C++ ops the trees grew in one native call each (draft_tree.cpp), losslessly.
+    trees = stats["draft_trees"]
+    if cpu_ops.load().impl == "c++" and not cpu_native.load().reason:
+        assert trees == {"native": stats["steps"], "loop": 0}, stats
+    else:
+        assert trees == {"native": 0, "loop": stats["steps"]}, stats
 
 
 def test_a_long_stretch_aside_lets_requests_go(demo_ref: tuple[list, list]) -> None:

@@ -255,3 +255,5 @@ TORCH_LIBRARY_IMPL(tpserve, CPU, m) {
 
 // The decoder layer as one op per half (after the ops it calls are defined and registered).
 #include "decoder_stack.cpp"
+// The EAGLE-3 draft's tree loop as one op (uses the layer halves above).
+#include "draft_tree.cpp"

@@ -36,7 +36,7 @@ log = logging.getLogger(__name__)
 _SOURCE = Path(__file__).with_name("cpu_ops.cpp")
 _DEPENDS = tuple(Path(__file__).with_name(n)
                  for n in ("gemm.c", "gemm_tiles.c", "gemm_pool.c", "half.h", "fused.c",
-                           "argmax.c", "decoder_stack.cpp"))
+                           "argmax.c", "decoder_stack.cpp", "draft_tree.cpp"))
 
 
 def _cxx_flags() -> list[str]:

@@ -193,3 +193,39 @@ class DraftBlocks:
         if split:
             m = _reduced(d.tp.comm, m, down_bias)
         return h + m
+
+    def can_grow(self, embed: Any, rows: int) -> bool:
+        """Whether ``grow`` applies: the draft and the embedding it reads are whole on this
+        rank (no collective inside), and the ``rows`` of each forward (the beam's; the
+        extend's too when it runs inside) take the native matmul."""
+        return (self.draft.tp.size == 1 and getattr(embed, "tp", None) is not None
+                and embed.tp.size == 1 and rows <= NATIVE_MATMUL_ROWS)
+
+    def grow(self, hidden: torch.Tensor, roots: torch.Tensor, embed: Any, cache: KVPair,
+             pages: torch.Tensor, committed: torch.Tensor, topk: int, num_steps: int,
+             num_nodes: int, page_size: int,
+             extend: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``spec.eagle.draft_tree`` as one native call (``draft_tree.cpp``): the tree's
+        tokens, parents, depths and ancestor masks; writes the temporary nodes' draft KV like
+        the loop. ``hidden`` is the root output [B, H], or with ``extend`` = (tokens, lens,
+        starts) the pending features [M, H] that ``Drafter._draft_extend`` would write first.
+        Bit-equal to the Python path."""
+        d = self.draft
+        attn, mlp, spec = d.self_attn, d.mlp, d.attention.spec
+        weights = [d.input_layernorm.weight, d.hidden_norm.weight, attn.qkv_proj.weight,
+                   attn.qkv_proj.bias, attn.o_proj.weight, attn.o_proj.bias,
+                   d.post_attention_layernorm.weight, mlp.gate_up_proj.weight,
+                   mlp.gate_up_proj.bias, mlp.down_proj.weight, mlp.down_proj.bias,
+                   d.norm.weight, d.lm_head.weight, d.d2t]
+        tokens, lens, starts = extend if extend is not None else (None, None, None)
+        return torch.ops.tpserve.draft_tree(
+            hidden, tokens, _int32(lens), _int32(starts), roots, embed.weight, weights,
+            cache[0], cache[1], d.rotary.cos, d.rotary.sin, _int32(pages), _int32(committed),
+            topk, num_steps, num_nodes, page_size, spec.window, spec.scale, attn.heads,
+            attn.kv_heads, attn.head_dim, d.post_attention_layernorm.eps, d.attention.narrow,
+            d.lm_head.vocab)
+
+
+def _int32(x: torch.Tensor | None) -> torch.Tensor | None:
+    return None if x is None else x.to(torch.int32).contiguous()

@@ -171,6 +171,7 @@ class SpecDecoder:
 
     def reset_stats(self) -> None:
         self.stats = SpecStats()
+        self.drafter.trees = dict.fromkeys(self.drafter.trees, 0)
 
     def snapshot(self) -> dict[str, Any]:
-        return self.stats.snapshot()
+        return {**self.stats.snapshot(), "draft_trees": dict(self.drafter.trees)}

@@ -32,7 +32,7 @@ from tpserve.engine.static_forward import draft_forward, run_static, verify_forw
 from tpserve.layers.attention.metadata import AttentionMetadata
 from tpserve.models.eagle3 import Eagle3Draft
 from tpserve.spec.config import SpecConfig
-from tpserve.spec.eagle import draft_tree
+from tpserve.spec.eagle import can_grow_natively, draft_tree, grow_natively
 from tpserve.spec.tree import DraftTree, tree_metadata, with_inputs
 
 # Enters a named part of the step: tags its allreduces (and times it on rank 0).
@@ -60,6 +60,8 @@ class Drafter:
         self.aux_sorted = tuple(sorted(aux_layers))
         self.aux_order = [self.aux_sorted.index(i) for i in aux_layers]
         self.pending: dict[int, torch.Tensor] = {}
+        # Trees grown by the one native call vs the per-depth loop (reported in the stats).
+        self.trees = {"native": 0, "loop": 0}
         self.page_features = torch.zeros(draft_kv.cfg.num_pages, draft.cfg.base.hidden_size,
                                          dtype=draft.fc.weight.dtype, device=runner.device)
         self._build_static()
@@ -188,7 +190,6 @@ class Drafter:
                     for e, n in zip(ends.tolist(), lens, strict=True)]
             rows = [self.pending[k] for k in step.keys.tolist()]
             starts = (step.cached_lens - 1).tolist()  # pending feature of token t is at t - 1
-            root_out = self._draft_extend(rows, toks, starts, step.page_table)
             pages = torch.from_numpy(step.page_table).long()
             committed = torch.from_numpy(step.cached_lens + step.q_lens - 1).long()
             roots = torch.from_numpy(step.token_ids[ends - 1]).long()
@@ -197,11 +198,32 @@ class Drafter:
             cached = committed.numpy().astype(np.int32)
             verify_meta = tree_metadata(step.page_table, cached, n, cached, n,
                                         self.runner.page_size, self.runner.device)
-            tree = draft_tree(self.draft, self.embed,
-                              self.draft_kv.layers[0], root_out, roots, pages, committed,
-                              self.cfg, self.draft_kv.cfg.page_size, self._draft_step)
+            tree = self._draft(rows, toks, starts, step.page_table, pages, committed, roots)
         with phase("verify"):
             return self._verify(tree, verify_meta, pages, committed)
+
+    def _draft(self, rows: list[torch.Tensor], toks: list[torch.Tensor], starts: list[int],
+               page_table: np.ndarray, pages: torch.Tensor, committed: torch.Tensor,
+               roots: torch.Tensor) -> DraftTree:
+        """Extend the draft over the pending rows, then grow the tree: eagerly as one native
+        call where it applies (the extend inside it when its rows fit too), else per depth
+        (captured / compiled steps, other devices)."""
+        device, cache, ps = self.runner.device, self.draft_kv.layers[0], self.draft_kv.cfg.page_size
+        beam = len(toks) * self.cfg.topk
+        native = (self.runner.static is None
+                  and can_grow_natively(self.draft, self.embed, beam, device))
+        extend_rows = sum(len(t) for t in toks)
+        self.trees["native" if native else "loop"] += 1
+        if native and can_grow_natively(self.draft, self.embed, extend_rows, device):
+            self._remember_page_ends(rows, starts, page_table)
+            feats = torch.cat(rows).to(device=device, dtype=self.draft.fc.weight.dtype)
+            extend = (torch.cat(toks), torch.tensor([len(t) for t in toks]),
+                      torch.tensor(starts))
+            return grow_natively(self.draft, self.embed, cache, feats, roots, pages, committed,
+                                 self.cfg, ps, extend)
+        root_out = self._draft_extend(rows, toks, starts, page_table)
+        return draft_tree(self.draft, self.embed, cache, root_out, roots, pages, committed,
+                          self.cfg, ps, self._draft_step, native)
 
     def _draft_step(self, fb: ForwardBatch, hidden: torch.Tensor
                     ) -> tuple[torch.Tensor, torch.Tensor]:

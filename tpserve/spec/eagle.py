@@ -30,15 +30,19 @@ DraftStep = Callable[[ForwardBatch, torch.Tensor], tuple[torch.Tensor, torch.Ten
 def draft_tree(draft: Eagle3Draft, embed: nn.Module, cache: tuple[torch.Tensor, ...],
                start: torch.Tensor, roots: torch.Tensor, pages: torch.Tensor,
                committed: torch.Tensor, cfg: SpecConfig, page_size: int,
-               step_fn: DraftStep | None = None) -> DraftTree:
+               step_fn: DraftStep | None = None, native: bool = False) -> DraftTree:
     """Propose a tree per request (on ``start``'s device).
 
     ``start`` [B, H]: the draft's output for the root token (it predicts depth 1);
     ``roots`` [B]: root token ids; ``pages`` [B, P] / ``committed`` [B] (host tensors): page
     table and draft KV entries already committed (temporary nodes go right after them).
     Returns a tree of ``cfg.num_draft_tokens`` nodes. ``step_fn`` runs one draft step (a CUDA
-    graph / compiled phase); default: eager.
+    graph / compiled phase); default: eager. ``native``: the whole loop as one C++ call
+    (``can_grow_natively``), bit-equal to the eager loop.
     """
+    if native:
+        return grow_natively(draft, embed, cache, start, roots, pages, committed, cfg,
+                             page_size)
     batch, hidden = start.shape
     k, device = cfg.topk, start.device
     # Every host-to-device copy is queued before the loop, none waits for the device.
@@ -80,3 +84,25 @@ def draft_tree(draft: Eagle3Draft, embed: nn.Module, cache: tuple[torch.Tensor, 
         offset += k * k
     return select_tree(roots, torch.cat(scores, 1), torch.cat(cands, 1),
                        torch.cat(parents, 1), cfg.num_draft_tokens, cfg.num_steps)
+
+
+def can_grow_natively(draft: Eagle3Draft, embed: nn.Module, rows: int,
+                      device: torch.device) -> bool:
+    """The native loop applies: the draft's midlayer runs natively (CPU, ``cpu`` attention,
+    C++ ops), the draft and its embedding are whole on this rank, forwards of ``rows`` rows
+    fit the native matmul and nothing is being compiled."""
+    blocks = draft.blocks
+    return (blocks is not None and device.type == "cpu" and not torch.compiler.is_compiling()
+            and blocks.can_grow(embed, rows))
+
+
+def grow_natively(draft: Eagle3Draft, embed: nn.Module, cache: tuple[torch.Tensor, ...],
+                  hidden: torch.Tensor, roots: torch.Tensor, pages: torch.Tensor,
+                  committed: torch.Tensor, cfg: SpecConfig, page_size: int,
+                  extend: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+                  ) -> DraftTree:
+    """``draft_tree`` (and with ``extend``, the draft extend before it) as one C++ call."""
+    assert draft.blocks is not None
+    return DraftTree(*draft.blocks.grow(hidden, roots.to(hidden.device), embed, cache, pages,
+                                        committed, cfg.topk, cfg.num_steps,
+                                        cfg.num_draft_tokens, page_size, extend))
