@@ -279,6 +279,42 @@ def test_a_long_stretch_aside_lets_requests_go(demo_ref: tuple[list, list]) -> N
     assert stats["steps"] > spec_steps and stats["avg_accept_length"] > 2.0, stats
 
 
+def test_a_long_stretch_aside_keeps_requests_where_following_pays(
+        demo_ref: tuple[list, list]) -> None:
+    """Where the chooser still expects to speculate at the batch size (following pays), a
+    request past MAX_DEFERRED plain tokens keeps being followed: its rows are written at once
+    instead of letting it go, and it speculates when speculation comes back."""
+    from tpserve.spec.decoder import MAX_DEFERRED
+
+    prompts, ref = demo_ref
+    spec = demo_spec(speculative_adaptive="off")
+    engine, decoder = spec.engine, spec.spec
+    engine._follow_new = lambda: True  # what a chooser that favours speculation here says
+    sink: dict = {}
+    reqs = [spec.request(p, DEMO_PARAMS, sink) for p in prompts[:2]]
+    for req in reqs:
+        engine.scheduler.add(req)
+    held: list[int] = []  # per plain step: the fewest rows a request held (0: let go)
+    spec_steps: list[int] = []
+    inner = engine.step
+
+    def step(batch):  # type: ignore[no-untyped-def]
+        inner(batch)
+        if not decoder.enabled:
+            held.append(min(len(decoder.drafter.pending.get(id(r), ())) for r in reqs))
+            spec_steps.append(decoder.snapshot()["steps"])
+
+    engine.step = step
+    run_steps(engine, {4: {"speculative": {"enabled": False}},
+                       4 + 2 * MAX_DEFERRED: {"speculative": {"enabled": True}}})
+    stats = decoder.snapshot()
+    spec.close()
+    assert [sink[r.rid].output_ids for r in reqs] == ref[:2]
+    assert len(held) == 2 * MAX_DEFERRED and min(held) >= 1, held
+    assert max(held) <= MAX_DEFERRED + 1, held  # written at the cap
+    assert stats["steps"] > spec_steps[-1], stats  # and speculating again afterwards
+
+
 def test_requests_admitted_aside_hold_the_chooser_off(demo_ref: tuple[list, list]) -> None:
     """With the chooser on, a running request that the draft does not follow (admitted while
     speculation was pinned off) keeps every step plain and costs no draft work; once it is

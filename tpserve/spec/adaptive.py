@@ -161,6 +161,7 @@ class AdaptiveChooser:
         self.steps = 0
         self.last_switch = 0
         self.switch_bucket: int | None = None  # the bucket the last switch was made at
+        self.forced = False  # the current OFF was forced (step_aside), not chosen
         self.switches = 0
         self.last_bucket = 1
 
@@ -255,10 +256,11 @@ class AdaptiveChooser:
         return stale or max(spec) * (1 + self.cfg.follow_slack) >= plain
 
     def step_aside(self, batch: int) -> Setting:
-        """The next step must decode plainly (the draft does not follow every request)."""
+        """The next step must decode plainly (the draft does not follow every request). Not
+        a choice: the next one is free of the hold."""
         self.steps += 1
         self.last_bucket = bucket_of(batch)
-        self.current = OFF
+        self.current, self.forced = OFF, True
         return OFF
 
     def _explore(self, table: dict[Setting, Costs]) -> Setting | None:
@@ -284,7 +286,8 @@ class AdaptiveChooser:
             preds[OFF] *= 1 + self.cfg.margin
         best = max(preds, key=lambda s: preds[s])
         now = preds.get(self.current)
-        free = (self.switch_bucket not in (None, bucket)
+        forced, self.forced = self.forced, False
+        free = (forced or self.switch_bucket not in (None, bucket)
                 or self.steps - self.last_switch >= self.cfg.hold_steps)
         if best == self.current or (now is not None and not free):
             return self.current

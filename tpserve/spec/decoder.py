@@ -28,9 +28,8 @@ Logprobs = list[tuple[int, float, Any]] | None
 # Decode tokens a followed request may hold pending while speculation steps aside: the batched
 # extend that writes them costs about one draft forward whatever their number, so a short
 # stretch of plain steps (a re-measurement, an exploring chooser) keeps the request able to
-# speculate; past it the decoder lets the request go: feeding the draft costs a plain step
-# ~15-35% (aux states, their projection, per-request bookkeeping), for a speculation that the
-# chooser has kept off for this long.
+# speculate; past it the decoder lets the request go where following no longer pays (feeding
+# the draft costs a plain step ~15-35%: aux states, their projection, per-request bookkeeping).
 MAX_DEFERRED = 16
 
 
@@ -98,8 +97,9 @@ class SpecDecoder:
         """What a plain step must tell every rank's drafter about ``reqs`` (None: nothing).
 
         The draft follows a new request if ``follow_new`` at its first chunk. A followed
-        request's decode token while speculation is off is deferred, and past
-        ``MAX_DEFERRED`` of them the request is let go."""
+        request's decode token while speculation is off is deferred; past ``MAX_DEFERRED``
+        of them the request is let go, unless ``follow_new`` still holds (the chooser expects
+        to speculate at this batch size again): then the rows are written at once."""
         pending = self.drafter.pending
         drop = set(self._drops(live).tolist())
         rows, fresh, defer = [], [], []
@@ -113,8 +113,10 @@ class SpecDecoder:
                 continue
             late = not new and not self.enabled and q == 1
             if late and held is not None and len(held) >= MAX_DEFERRED:
-                drop.add(key)
-                continue
+                if not follow_new:
+                    drop.add(key)
+                    continue
+                late = False  # following still pays at this batch size: write the rows now
             rows.append(b)
             fresh.append(new)
             defer.append(late)
