@@ -115,6 +115,15 @@ def test_steps_aside_where_speculation_loses() -> None:
     assert not picks[-1].off
 
 
+def test_reset_forgets_every_measurement() -> None:
+    chooser = AdaptiveChooser(TREE, candidates(TREE, 8, shapes_fixed=False))
+    drive(chooser, 1, 50, random.Random(2))
+    assert chooser.costs and chooser.accept and chooser.steps == 50
+    chooser.reset()
+    assert (chooser.costs, chooser.accept, chooser.steps, chooser.current) == ({}, {}, 0, TREE)
+    assert drive(chooser, 1, 1, random.Random(2)) == [TREE]  # explores from scratch again
+
+
 def test_new_requests_are_followed_where_speculation_may_pay() -> None:
     """Where plain decoding measured clearly faster, new requests are not followed (they
     would pay for feeding the draft and never speculate), except when a speculative setting

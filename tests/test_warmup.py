@@ -39,13 +39,16 @@ def test_warm_up_runs_and_forgets_its_traffic(tmp_path: Path) -> None:
                       "fake")
     engine.runner.comm = engine.profiler.comm = comm
     engine.profiler.enabled = True
+    forgotten = []  # the adaptive chooser's measurements go too (a stand-in records it)
+    engine.adaptive = SimpleNamespace(forget=lambda: forgotten.append(True),
+                                      phase=lambda inner, name: inner)
     ids = itertools.count()
     shape = warmup_shape(16, 64, 200, kv_tokens=63 * 4)
     seconds = warm_up(engine, lambda p, sp: make_request(f"w{next(ids)}", p, sp), shape, 96)  # the checkpoint's vocabulary
     assert seconds > 0 and next(ids) == shape.requests
     assert not engine.scheduler.has_work() and engine.scheduler.allocator.num_free == 63
     assert engine.stats.steps == 0 and stats.calls == 0
-    assert engine.profiler.snapshot()["steps"] == 0
+    assert engine.profiler.snapshot()["steps"] == 0 and forgotten == [True]
     stats.phase = "decode"
     for _ in range(3):  # traffic after start-up is counted from zero (the baseline is not stale)
         stats.record(1024, 1e-5)

@@ -127,6 +127,11 @@ class AdaptiveDriver:
         self.on = bool(body["adaptive"])
         return without_adaptive(change, body)
 
+    def forget(self) -> None:
+        """Drop every measurement (after the warm-up); on/off stays as it is."""
+        self.chooser.reset()
+        self.phases, self.carry = {}, 0.0
+
     def snapshot(self) -> dict[str, Any]:
         return {"enabled": self.on, **self.chooser.snapshot()}
 

@@ -84,4 +84,6 @@ def _forget(engine: Any) -> None:
     if engine.runner.comm is not None:
         engine.runner.comm.reset_stats()
     engine.reset_stats()
+    if engine.adaptive is not None:
+        engine.adaptive.forget()  # its first steps of each setting paid one-time costs
     engine.scheduler.flush_cache()  # synthetic prompts: no use keeping their pages
