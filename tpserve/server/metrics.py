@@ -9,6 +9,7 @@ engine loop itself does no metrics work.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 from typing import Any
 
@@ -109,10 +110,14 @@ def _adaptive(extra: dict[str, Any]) -> Iterator[Any]:
                                labels=["setting"])
     choice.add_metric([str(snap.get("choice"))], 1.0)
     yield choice
-    for key, doc in (("predicted_tok_s", "predicted tok/s of the chosen setting"),
-                     ("measured_tok_s", "measured tok/s of the chosen setting (moving mean)")):
-        if isinstance(snap.get(key), (int, float)):
-            yield _gauge(f"tpserve_spec_adaptive_{key}", doc, float(snap[key]))
+    # NaN until the chooser has a number for the setting at this batch size (a gauge that
+    # comes and goes breaks dashboards and alerts).
+    for key, doc in (("predicted_tok_s", "predicted tok/s of the chosen setting (NaN: none yet)"),
+                     ("measured_tok_s", "measured tok/s of the chosen setting, moving mean "
+                                        "(NaN: none yet)")):
+        value = snap.get(key)
+        yield _gauge(f"tpserve_spec_adaptive_{key}", doc,
+                     float(value) if isinstance(value, (int, float)) else math.nan)
     yield _gauge("tpserve_spec_adaptive_switches", "setting changes made on predictions",
                  float(snap.get("switches", 0)))
 
