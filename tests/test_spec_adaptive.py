@@ -393,6 +393,31 @@ def test_measured_throughput_outweighs_a_wrong_acceptance_model() -> None:
     assert sum(p == chain for p in tail) >= 180, chooser.snapshot()
 
 
+def test_a_setting_tried_on_the_models_word_is_left_once_measured_slower() -> None:
+    """The cost model predicts the 1-deep chain from the other chains' numbers, but on this
+    fake machine its steps cost 30 ms more: once it has run ``explore_steps`` steps the
+    chooser leaves it, without sitting out the 16-step hold (a request is ~33 steps)."""
+    allowed = candidates(TREE, 8, shapes_fixed=False)
+    slow = Setting(1, 1, 2)
+    chooser = AdaptiveChooser(TREE, allowed)
+    rng = random.Random(3)
+    picks = []
+    for _ in range(300):
+        s = chooser.choose(1)
+        picks.append(s)
+        accs = [] if s.off else accepted(s, 1, rng)
+        tokens = 1 + sum(len(a.nodes) - 1 for a in accs)
+        ms = true_step_ms(s, 1) + (30.0 if s == slow else 0.0)
+        draft = 0.0 if s.off else s.steps * (1.5 + 0.6 * s.topk)
+        chooser.observe(s, 1, ms, ms - draft - 0.5 * (not s.off), draft, tokens)
+        if accs:
+            chooser.observe_accepts(s, accs)
+    first = picks.index(slow)  # it was tried: the model alone ranked it first
+    run = next(i for i in range(first, len(picks)) if picks[i] != slow) - first
+    assert run <= chooser.cfg.explore_steps < chooser.cfg.hold_steps, picks[first:first + 20]
+    assert picks[-1] == TREE
+
+
 def test_prompt_steps_count_against_the_setting_that_runs() -> None:
     """A prefill-only step's time goes into the next decode step's cost; a mixed step (plain
     decoding with a prompt chunk riding along) is not measured: its time is its chunk's."""

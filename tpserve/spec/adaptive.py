@@ -25,8 +25,9 @@ Three rules keep it honest and calm:
 - a challenger replaces the current setting only when predicted ``margin`` faster, and not
   within ``hold_steps`` of the last switch at the same bucket (hysteresis: no flapping on
   noise; a new batch size is judged at once: holding batch 1's setting for 16 steps after 7
-  more requests arrived cost the demo pair ~20% of each 8-client burst); speculation must
-  also be predicted ``margin`` faster than plain decoding to be chosen at all;
+  more requests arrived cost the demo pair ~20% of each 8-client burst; and a setting chosen
+  on the model's word alone may be left once measured ``explore_steps`` times); speculation
+  must also be predicted ``margin`` faster than plain decoding to be chosen at all;
 - candidates are only settings whose KV lookahead was reserved at launch, and when forwards
   are captured or compiled per shape, only the captured shape (or plain decoding).
 """
@@ -168,6 +169,7 @@ class AdaptiveChooser:
         self.last_switch = 0
         self.switch_bucket: int | None = None  # the bucket the last switch was made at
         self.forced = False  # the current OFF was forced (step_aside), not chosen
+        self.trial = False  # the current setting was unmeasured at this bucket when chosen
         self.switches = 0
         self.last_bucket = 1
 
@@ -293,13 +295,20 @@ class AdaptiveChooser:
         best = max(preds, key=lambda s: preds[s])
         now = preds.get(self.current)
         forced, self.forced = self.forced, False
-        free = (forced or self.switch_bucket not in (None, bucket)
+        table = self.costs.get(bucket, {})
+        tried = self.trial and self.current in table and (
+            table[self.current].step_ms.count >= self.cfg.explore_steps)
+        free = (forced or tried or self.switch_bucket not in (None, bucket)
                 or self.steps - self.last_switch >= self.cfg.hold_steps)
         if best == self.current or (now is not None and not free):
             return self.current
         if now is not None and preds[best] <= now * (1 + self.cfg.margin):
             return self.current
         self.last_switch, self.switch_bucket = self.steps, bucket
+        # A switch to a setting only the model knows here is a trial: once measured for
+        # explore_steps it may be left at once (a 33-step request cannot afford a 16-step
+        # hold on a chain that measured slower than predicted).
+        self.trial = best not in table
         self.switches += 1
         return best
 
