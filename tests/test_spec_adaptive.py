@@ -164,7 +164,10 @@ def test_engine_switches_and_stays_lossless(ckpts: tuple[Path, Path]) -> None:
     spec.close()
     assert outs == ref and outs1 == ref[:1]
     tried = {label for row in snap["by_batch"].values() for label in row}
-    assert {"off", "3/2/6", "3/1/4"} <= tried, snap  # anchors were measured: it switched
+    assert {"off", "3/2/6"} <= tried, snap  # anchors were measured: it switched
+    for row in snap["by_batch"].values():  # the chain too, unless the tree was hopeless there
+        if "3/1/4" not in row and {"off", "3/2/6"} <= set(row):
+            assert row["3/2/6"]["measured_tok_s"] < 0.6 * row["off"]["measured_tok_s"], snap
     assert snap["choice"] in snap["candidates"]
 
 
@@ -391,6 +394,33 @@ def test_measured_throughput_outweighs_a_wrong_acceptance_model() -> None:
             chooser.observe_accepts(s, accs)
     tail = picks[-200:]
     assert sum(p == chain for p in tail) >= 180, chooser.snapshot()
+
+
+def test_hopeless_speculation_is_not_explored_further() -> None:
+    """At a batch size where the first speculative anchor measured far below plain decoding,
+    the other speculative anchors are not run there (each such step costs several plain ones);
+    where speculation is close, every anchor is."""
+    allowed = candidates(TREE, 8, shapes_fixed=False)
+    chain = Setting(4, 1, 5)
+    chooser = AdaptiveChooser(TREE, allowed)
+    rng = random.Random(4)
+    drive(chooser, 1, 30, rng)
+    assert {OFF, TREE, chain} <= set(chooser.costs[1])  # 0.7-1.4x plain: all explored
+
+    def crawl(s: Setting, batch: int) -> float:  # speculation 5x slower at batch 16
+        return true_step_ms(s, batch) * (1 if s.off else 5)
+
+    picks = []
+    for _ in range(60):
+        s = chooser.choose(16)
+        picks.append(s)
+        accs = [] if s.off else accepted(s, 16, rng)
+        ms = crawl(s, 16)
+        chooser.observe(s, 16, ms, ms, 0.0, 16 + sum(len(a.nodes) - 1 for a in accs))
+        if accs:
+            chooser.observe_accepts(s, accs)
+    assert chain not in chooser.costs[16] and picks.count(TREE) == chooser.cfg.explore_steps
+    assert picks[-1] == OFF
 
 
 def test_a_setting_tried_on_the_models_word_is_left_once_measured_slower() -> None:
