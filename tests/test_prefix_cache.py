@@ -202,3 +202,23 @@ def test_cached_pages_keep_the_feature_a_hit_drafts_from(spec_pair: tuple[Path, 
     for i, page in enumerate(pages):
         stored = hot.spec.drafter.page_features[page]
         assert torch.allclose(stored, feats[(i + 1) * PS - 1], atol=1e-5), i
+
+
+@pytest.mark.parametrize("mixed", [False, True])
+def test_scheduler_reuses_only_drafted_pages_for_a_followed_request(mixed: bool) -> None:
+    """Both batch builders (prompt-only and mixed) pass the 'will be followed' flag to the
+    prefix match: a request the draft will follow must not reuse pages without draft KV."""
+    from tpserve.engine.kv_cache import PageAllocator
+    from tpserve.engine.scheduler import Scheduler, SchedulerConfig
+
+    sched = Scheduler(SchedulerConfig(PS, 4, 64, 200), PageAllocator(32))
+    prompt = list(range(10, 23))  # 3 full pages and one token over
+    sched.cache.release([], prompt, sched.allocator.alloc(3), computed=12, drafted=0)
+    params = SamplingParams(max_new_tokens=4)
+    for drafted, hit in ((True, 0), (False, 12)):
+        req = make_request(f"r{drafted}", prompt, params)
+        sched.add(req)
+        batch = sched.next_batch(mixed=mixed, drafted=drafted)
+        assert batch is not None and batch.requests == [req]
+        assert req.cached_prefix == hit
+        sched.finish(req, "done")

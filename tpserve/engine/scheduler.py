@@ -148,7 +148,7 @@ class Scheduler:
         """``drafted``: admitted requests will speculate (they reuse only cached pages whose
         draft KV was written)."""
         if mixed:
-            return self._mixed_batch()
+            return self._mixed_batch(drafted)
         decode = [r for r in self.running if r.pending == 1]
         if decode and (self._prefer_decode or not self._prefill_possible()):
             self._prefer_decode = False
@@ -163,7 +163,7 @@ class Scheduler:
         return any(r.pending > 1 for r in self.running) or (
             bool(self.waiting) and len(self.running) < self.cfg.max_running_requests)
 
-    def _mixed_batch(self) -> ScheduledBatch | None:
+    def _mixed_batch(self, drafted: bool = False) -> ScheduledBatch | None:
         """Decode tokens first (they may preempt), then prompt chunks within what is left of
         the token budget; one forward reads the weights once for both.
 
@@ -171,19 +171,19 @@ class Scheduler:
         holding pages: the latest admitted makes room (preempted, recomputed later).
         """
         for _ in range(len(self.running) + 1):
-            batch = self._mixed_once()
+            batch = self._mixed_once(drafted)
             if batch is not None or not self.running:
                 return batch
             self._preempt_latest()
         return None
 
-    def _mixed_once(self) -> ScheduledBatch | None:
+    def _mixed_once(self, drafted: bool) -> ScheduledBatch | None:
         decode = self._decode_batch()
         taken = len(decode.requests) if decode is not None else 0
         limit = self.cfg.chunked_prefill_size - taken
         if decode is not None and self.cfg.mixed_chunk_size is not None:
             limit = min(limit, self.cfg.mixed_chunk_size)
-        prefill = self._prefill_batch(limit) if limit > 0 else None
+        prefill = self._prefill_batch(limit, drafted) if limit > 0 else None
         if prefill is None or decode is None:
             return prefill or decode
         return ScheduledBatch("mixed", decode.requests + prefill.requests,
