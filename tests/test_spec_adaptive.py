@@ -327,6 +327,34 @@ def test_a_long_stretch_aside_keeps_requests_where_following_pays(
     assert stats["steps"] > spec_steps[-1], stats  # and speculating again afterwards
 
 
+def test_prompts_ride_with_plain_decode_while_speculating(demo_ref: tuple[list, list]) -> None:
+    """A prompt arriving while requests speculate is not a prompt-only step that stalls them:
+    its chunks ride in mixed steps with their plain decode tokens, and speculation resumes
+    once no prompt work is left. Outputs stay those of a server without a draft."""
+    prompts, ref = demo_ref
+    spec = demo_spec(speculative_adaptive="off")
+    engine, decoder = spec.engine, spec.spec
+    sink: dict = {}
+    first = spec.request(prompts[1], DEMO_PARAMS, sink)
+    engine.scheduler.add(first)
+    kinds = []
+    while decoder.snapshot()["steps"] < 3:  # it is speculating
+        batch = engine.next_batch()
+        kinds.append(batch.kind)
+        engine.step(batch)
+    late = spec.request(prompts[3], DEMO_PARAMS, sink)  # 21 tokens: two 16-token chunks
+    engine.scheduler.add(late)
+    batch = engine.next_batch()
+    assert batch.kind == "mixed" and batch.requests[0] is first and late in batch.requests
+    engine.step(batch)
+    before = decoder.snapshot()["steps"]
+    kinds = run_steps(engine, {})
+    after = decoder.snapshot()["steps"]
+    spec.close()
+    assert "prefill" not in kinds and after > before
+    assert [sink[r.rid].output_ids for r in (first, late)] == [ref[1], ref[3]]
+
+
 def test_requests_admitted_aside_hold_the_chooser_off(demo_ref: tuple[list, list]) -> None:
     """With the chooser on, a running request that the draft does not follow (admitted while
     speculation was pinned off) keeps every step plain and costs no draft work; once it is

@@ -93,13 +93,13 @@ class AdaptiveDriver:
         """After a step of ``kind`` with ``batch`` decoding requests: its wall time, forward
         and draft time, tokens appended.
 
-        Prompt work costs every setting about alike, but with speculation on a new prompt is
-        a step of its own (its verify is a tree forward, not mixable) while plain decoding
-        carries prompt chunks inside its decode steps ("mixed"). So a prefill-only step that
-        ``stalled`` running requests adds its time to the next decode step's (one with nothing
-        else running costs every setting alike), and a mixed step is not measured: its time
-        is mostly its prompt chunk (one such 66 ms step among 5 ms decode steps made plain
-        decoding look 1.5x slower than it was at 8 clients on the demo pair)."""
+        Prompt work costs every setting about alike: prompt chunks ride in mixed steps,
+        whose running requests decode plainly whatever the setting, so a mixed step is not
+        measured (its time is mostly its chunk: one 66 ms mixed step among 5 ms decode steps
+        made plain decoding look 1.5x slower than it was at 8 clients on the demo pair).
+        Without mixing (``--disable-mixed-chunk``) a prefill-only step that ``stalled``
+        running requests adds its time to the next decode step's (one with nothing else
+        running costs every setting alike)."""
         if not self.on:
             self.carry = 0.0
         elif kind == "prefill" or not batch:

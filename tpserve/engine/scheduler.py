@@ -4,9 +4,11 @@ prefix caching.
 Each call to ``next_batch`` returns a batch for one step. Mixed (the default): every running
 request's decode token plus prompt chunks filling the rest of the token budget
 (``--chunked-prefill-size``; at most ``--mixed-chunk-size`` prompt tokens while anything is
-decoding), so streams keep flowing while a long prompt is admitted piece by piece. Unmixed (speculative steps, whose verify is a tree forward of its own): a prefill batch
-or a decode batch, alternating when both kinds are ready so new prompts cannot starve
-requests already decoding. When pages run out
+decoding), so streams keep flowing while a long prompt is admitted piece by piece; with
+speculation on, such a step decodes its requests plainly (a verify tree cannot carry prompt
+chunks) and a decode-only batch is a speculative step. Unmixed (``--disable-mixed-chunk``): a
+prefill batch or a decode batch, alternating when both kinds are ready so new prompts cannot
+starve requests already decoding. When pages run out
 during decode the most recently admitted request is preempted: its pages are freed and it
 re-enters the queue to be recomputed (prompt + output so far) later.
 
