@@ -25,8 +25,9 @@ class DraftFeed:
     """What a plain forward step tells the speculative decoder when a draft is loaded.
 
     The draft follows only the step's requests in ``rows``: those admitted while speculation
-    was on, until they have stepped aside for long. The others cost what they cost on a server
-    without a draft (no auxiliary states, no draft work); they never speculate."""
+    was on or could pay (``Engine._follow_new``), until let go after a long stretch aside. The
+    others cost what they cost on a server without a draft (no auxiliary states, no draft
+    work); they never speculate."""
 
     rows: np.ndarray  # [T] int32: indices (into the step's requests) of the followed ones
     keys: np.ndarray  # [T] int64: the decoder's key of each followed request
@@ -36,7 +37,8 @@ class DraftFeed:
     fresh: np.ndarray  # [T] bool: the request's first chunk since admission (no draft state)
     # [T] bool: keep this step's features pending instead of extending the draft now (plain
     # decode steps while speculation steps aside: the next speculative step writes them in one
-    # batched draft forward; past ``MAX_DEFERRED`` rows the request is let go instead)
+    # batched draft forward; past ``MAX_DEFERRED`` rows the request is let go, or its rows
+    # are written then where following still pays: ``SpecDecoder.draft_feed``)
     defer: np.ndarray | None = None
 
 
