@@ -152,7 +152,11 @@ def _spec_generate(arg: tuple) -> list[list[int]]:
     params = SamplingParams(max_new_tokens=16, temperature=0.0, ignore_eos=True)
     prompts = [[1] + SHARED * 2 + [i + 2] for i in range(4)]
     engine.generate(prompts, params)
+    before = engine.engine.scheduler.cache.stats.hit_tokens if cache else 0
     outs = engine.generate(prompts, params)
+    if cache:  # the second round reused the first's pages (draft KV marked as written)
+        hits = engine.engine.scheduler.cache.stats.hit_tokens - before
+        assert hits >= 4 * (len(prompts[0]) // PS - 1) * PS, hits
     engine.close()
     return [o.output_ids for o in outs]
 
