@@ -115,9 +115,10 @@ std::tuple<at::Tensor, at::Tensor> decoder_attn_block(
 // down bias; absent biases are None.
 constexpr int64_t kLayerTensors = 10;
 
-at::Tensor required(const c10::List<std::optional<at::Tensor>> &w, int64_t i) {
+// Entry i of an op's weight list, which must be there (biases are the optional entries).
+at::Tensor required(const c10::List<std::optional<at::Tensor>> &w, int64_t i, const char *op) {
     std::optional<at::Tensor> t = w.get(i);
-    TORCH_CHECK(t.has_value(), "tpserve::decoder_layers: weight ", i, " is missing");
+    TORCH_CHECK(t.has_value(), op, ": weight ", i, " is missing");
     return *t;
 }
 
@@ -143,10 +144,11 @@ at::Tensor decoder_layers(const at::Tensor &x_in, const c10::List<std::optional<
         const int64_t b = l * kLayerTensors;
         // Caches are written in place; the list holds views of the engine's pools.
         at::Tensor kc = k_caches[l], vc = v_caches[l];
-        auto [xa, o] = attn_block(x, delta, required(w, b), required(w, b + 1), w.get(b + 2),
-                                  required(w, b + 3), w.get(b + 4), kc, vc, s, eps);
-        auto [xm, m] = mlp_block(xa, o, required(w, b + 5), required(w, b + 6), w.get(b + 7),
-                                 required(w, b + 8), w.get(b + 9), eps);
+        auto weight = [&](int64_t i) { return required(w, b + i, "tpserve::decoder_layers"); };
+        auto [xa, o] = attn_block(x, delta, weight(0), weight(1), w.get(b + 2), weight(3),
+                                  w.get(b + 4), kc, vc, s, eps);
+        auto [xm, m] = mlp_block(xa, o, weight(5), weight(6), w.get(b + 7), weight(8),
+                                 w.get(b + 9), eps);
         x = xm;
         delta = m;
     }

@@ -38,13 +38,18 @@ constexpr int64_t kDraftTensors = 14;
 
 struct DraftWeights {
     const c10::List<std::optional<at::Tensor>> &w;
-    at::Tensor at(int64_t i) const {
-        std::optional<at::Tensor> t = w.get(i);
-        TORCH_CHECK(t.has_value(), "tpserve::draft_tree: weight ", i, " is missing");
-        return *t;
-    }
+    at::Tensor at(int64_t i) const { return required(w, i, "tpserve::draft_tree"); }
     std::optional<at::Tensor> maybe(int64_t i) const { return w.get(i); }
 };
+
+// The cache slot of logical draft KV index `logical` of request b (drafter.py's page_slots).
+int64_t page_slot(const int32_t *pages, int64_t width, int64_t b, int64_t logical,
+                  int64_t page_size) {
+    TORCH_CHECK(logical / page_size < width,
+                "tpserve::draft_tree: a draft KV entry lies past the page table");
+    return static_cast<int64_t>(pages[b * width + logical / page_size]) * page_size +
+           logical % page_size;
+}
 
 // eagle3.py's logits(): lm_head(norm(h)) as linear() computes it, in float32, cut to the vocab.
 at::Tensor draft_logits(const at::Tensor &h, const DraftWeights &d, double eps, int64_t vocab) {
@@ -77,13 +82,8 @@ DepthLayout depth_layout(const at::Tensor &pages, const at::Tensor &committed, i
     for (int64_t b = 0; b < batch; b++) {
         ip[b + 1] = static_cast<int32_t>((b + 1) * k);
         kl[b] = static_cast<int32_t>(base[b] + (step + 1) * k);
-        for (int64_t j = 0; j < k; j++) {
-            const int64_t logical = base[b] + step * k + j;
-            TORCH_CHECK(logical / page_size < width,
-                        "tpserve::draft_tree: a temporary node lies past the page table");
-            slot[b * k + j] = static_cast<int64_t>(page[b * width + logical / page_size]) *
-                                  page_size + logical % page_size;
-        }
+        for (int64_t j = 0; j < k; j++)
+            slot[b * k + j] = page_slot(page, width, b, base[b] + step * k + j, page_size);
     }
     return {indptr, kv, slots};
 }
@@ -137,12 +137,9 @@ at::Tensor draft_extend(const DraftWeights &d, const at::Tensor &embed_w, const 
     for (int64_t b = 0; b < batch; b++) {
         TORCH_CHECK(len[b] >= 1, "tpserve::draft_tree: every request extends by a row or more");
         for (int64_t j = 0; j < len[b]; j++, row++) {
-            const int64_t logical = first[b] + j;
-            TORCH_CHECK(row < rows && logical / page_size < width,
-                        "tpserve::draft_tree: extend rows past the tokens or the page table");
-            pos[row] = logical;
-            slot[row] = static_cast<int64_t>(page[b * width + logical / page_size]) * page_size +
-                        logical % page_size;
+            TORCH_CHECK(row < rows, "tpserve::draft_tree: extend lens exceed the tokens");
+            pos[row] = first[b] + j;
+            slot[row] = page_slot(page, width, b, first[b] + j, page_size);
         }
         ip[b + 1] = static_cast<int32_t>(row);
         kl[b] = first[b] + len[b];
