@@ -79,6 +79,9 @@ class Engine:
         self.trace: TraceCapture | None = None  # a torch.profiler capture in progress
         self.mixed = True  # decode tokens and prompt chunks share a step
         self.adaptive: AdaptiveDriver | None = None  # adaptive speculation (engine/adapt.py)
+        # This step's _follow_new(), decided once in next_batch: the chooser's predictions
+        # behind it cost ~75 us, and admission and the draft feed must agree anyway.
+        self.follow_new = False
 
     def submit(self, cmd: Command) -> None:
         self.inbox.put(cmd)
@@ -148,7 +151,8 @@ class Engine:
         without prompt work. (Unmixed, a burst of 8 clients on the demo pair spent its
         first ~0.2 s alternating prompt-only steps with speculative steps of 1-2 requests.)"""
         self._adapt()
-        return self.scheduler.next_batch(mixed=self.mixed, drafted=self._follow_new())
+        self.follow_new = self._follow_new()
+        return self.scheduler.next_batch(mixed=self.mixed, drafted=self.follow_new)
 
     def _follow_new(self) -> bool:
         """Whether the draft follows requests admitted now: while speculation is on, and
@@ -217,7 +221,7 @@ class Engine:
         msg = self.scheduler.plan(batch)
         if self.spec is not None:
             msg = replace(msg, feed=self.spec.draft_feed(batch.requests, self._live(),
-                                                          batch.q_lens, self._follow_new()))
+                                                          batch.q_lens, self.follow_new))
         with prof.phase("control"):
             self.broadcast(msg)
         with self._phase(batch.kind):
