@@ -61,3 +61,23 @@ def test_a_stalled_schedule_raises_instead_of_spinning(tmp_path: Path) -> None:
     engine.scheduler.next_batch = lambda **_: None  # type: ignore[method-assign]
     with pytest.raises(RuntimeError, match="stalled"):
         run_to_completion(engine, [make_request("r", [5, 6, 7], SamplingParams(max_new_tokens=2))])
+
+
+def test_turning_profiling_on_starts_a_fresh_window(tmp_path: Path) -> None:
+    """Per-step allreduce figures divide the calls made since profiling went on by the steps
+    timed since then: calls from before (start-up, earlier traffic) must not be counted."""
+    engine = build_engine(make_checkpoint(tmp_path / "m"), pages=16, page_size=4,
+                          max_running=4, chunk=64, context_length=200)
+    stats = CommStats(phase="decode")
+    comm = CommSwitch({"fake": SimpleNamespace(stats=stats, check=lambda: None)},  # type: ignore[dict-item]
+                      "fake")
+    engine.runner.comm = engine.profiler.comm = comm
+    for _ in range(50):  # traffic while profiling is off
+        stats.record(1024, 1e-5)
+    engine.reconfigure({"profiling": True})
+    for _ in range(3):
+        stats.record(1024, 1e-5)
+    assert engine.profiler.allreduce_by_phase(1)["decode"]["calls"] == 3
+    engine.reconfigure({"profiling": True})  # already on: the window keeps counting
+    stats.record(1024, 1e-5)
+    assert engine.profiler.allreduce_by_phase(1)["decode"]["calls"] == 4

@@ -347,7 +347,10 @@ class Engine:
         if change.get("profiling") is not None:
             if self.runner.comm is not None:
                 self.runner.comm.set_profiling(bool(change["profiling"]))
+            turning_on = bool(change["profiling"]) and not self.profiler.enabled
             self.profiler.enabled = bool(change["profiling"])
+            if turning_on:  # a fresh window: per-step figures divide this window's calls
+                self.profiler.reset()
         if change.get("reset_stats"):
             self.reset_stats()
         return self.active_settings()
