@@ -20,17 +20,15 @@
 // hidden_norm, qkv, qkv bias, o, o bias, post_attention_layernorm, gate_up, gate_up bias,
 // down, down bias, final norm, lm_head, d2t.
 
-#include <ATen/ops/arange.h>
 #include <ATen/ops/cat.h>
 #include <ATen/ops/embedding.h>
-#include <ATen/ops/eye.h>
-#include <ATen/ops/floor_divide.h>
-#include <ATen/ops/full_like.h>
-#include <ATen/ops/full.h>
+#include <ATen/ops/empty_like.h>
+#include <ATen/ops/from_blob.h>
 #include <ATen/ops/log_softmax.h>
-#include <ATen/ops/sub.h>
-#include <ATen/ops/where.h>
 #include <ATen/ops/zeros.h>
+
+#include <numeric>
+#include <vector>
 
 namespace {
 
@@ -54,11 +52,6 @@ int64_t page_slot(const int32_t *pages, int64_t width, int64_t b, int64_t logica
 // eagle3.py's logits(): lm_head(norm(h)) as linear() computes it, in float32, cut to the vocab.
 at::Tensor draft_logits(const at::Tensor &h, const DraftWeights &d, double eps, int64_t vocab) {
     return matmul(rms_norm(h, d.at(11), eps), d.at(12)).to(at::kFloat).narrow(-1, 0, vocab);
-}
-
-// draft ids -> target ids (eagle3.py's to_target).
-at::Tensor to_target(const at::Tensor &ids, const at::Tensor &d2t) {
-    return at::add(ids, d2t.index({ids}));
 }
 
 // The attention metadata of draft step `step` (tree.py's draft_step_metadata): K rows per
@@ -154,7 +147,31 @@ at::Tensor draft_extend(const DraftWeights &d, const at::Tensor &embed_w, const 
     return midlayer(d, embed_w, tokens, feats, k_cache, v_cache, s, eps).index_select(0, last);
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> draft_candidates(
+// The proposals of every depth, in proposal order: scores (cumulative log-probabilities),
+// target token ids and parent candidate indices (-1: the root), each [B, C].
+struct Candidates {
+    at::Tensor scores, tokens, parents;
+};
+
+// Row `r` of each of `rows` copied out of `src` [*, H] into a new contiguous [n, H] tensor.
+at::Tensor take_rows(const at::Tensor &src, const std::vector<int64_t> &rows) {
+    const at::Tensor from = src.contiguous();
+    const int64_t hidden = from.size(1), bytes = hidden * static_cast<int64_t>(from.element_size());
+    at::Tensor out = at::empty({static_cast<int64_t>(rows.size()), hidden}, from.options());
+    const char *in = static_cast<const char *>(from.const_data_ptr());
+    char *to = static_cast<char *>(out.mutable_data_ptr());
+    for (size_t i = 0; i < rows.size(); i++)
+        std::memcpy(to + static_cast<int64_t>(i) * bytes, in + rows[i] * bytes, bytes);
+    return out;
+}
+
+// spec/eagle.py's draft loop: the root's top-k, then per depth the beam's midlayer forward,
+// log-softmax over the draft vocabulary and top-k, the k best children (by cumulative score)
+// as the next beam. Floating point runs on the same ATen ops as there (log_softmax, topk, the
+// score additions in fp32); the beam bookkeeping (gathers, parent indices, ancestor masks,
+// token mapping) is integer and copy work, done here in plain loops: as ATen ops it was ~70%
+// of the call (~35 small ops a depth at a few microseconds each).
+Candidates draft_candidates(
     const at::Tensor &start, const at::Tensor &embed_w,
     const c10::List<std::optional<at::Tensor>> &weights, at::Tensor &k_cache,
     at::Tensor &v_cache, const at::Tensor &cos_table, const at::Tensor &sin_table,
@@ -169,80 +186,156 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> draft_candidates(
                     committed.size(0) == start.size(0) && k >= 1 && num_steps >= 1,
                 "tpserve::draft_tree: start [B, H], int32 page_table [B, P] and committed [B]");
     const DraftWeights d{weights};
-    const at::Tensor d2t = d.at(13);
-    const int64_t batch = start.size(0), hidden = start.size(1);
-    auto [score, ids] = at::log_softmax(draft_logits(start, d, eps, vocab), -1).topk(k, -1);
-    at::Tensor tokens = to_target(ids, d2t);
-    std::vector<at::Tensor> scores{score}, cands{tokens}, parents{at::full_like(ids, -1)};
-    at::Tensor beam_hidden = start.unsqueeze(1).expand({batch, k, hidden});
-    at::Tensor beam_score = score, beam_tokens = tokens;
-    at::Tensor beam_cand = at::arange(k, ids.options()).expand({batch, k});
-    auto flags = ids.options().dtype(at::kBool);
-    at::Tensor ancestors = at::zeros({batch, k, 0}, flags);
-    at::Tensor eye = at::eye(k, flags).expand({batch, k, k});
-    at::Tensor base_positions = committed.to(at::kLong).unsqueeze(1).expand({batch, k});
+    const at::Tensor d2t = d.at(13).to(at::kLong).contiguous();
+    const int64_t batch = start.size(0), kk = k * k;
+    const int64_t total = k + (num_steps - 1) * kk;
+    const int64_t *map = d2t.const_data_ptr<int64_t>();
+    const int32_t *base = committed.const_data_ptr<int32_t>();
+    auto i64 = at::TensorOptions().dtype(at::kLong);
+    Candidates c{at::empty({batch, total}, i64.dtype(at::kFloat)), at::empty({batch, total}, i64),
+                 at::empty({batch, total}, i64)};
+    float *cs = c.scores.mutable_data_ptr<float>();
+    int64_t *ct = c.tokens.mutable_data_ptr<int64_t>(), *cp = c.parents.mutable_data_ptr<int64_t>();
+
+    auto [score0, ids0] = at::log_softmax(draft_logits(start, d, eps, vocab), -1).topk(k, -1);
+    const at::Tensor root_score = score0.contiguous(), root_ids = ids0.contiguous();
+    // The beam, [B, k] each: scores, target tokens, candidate index; the hidden rows it
+    // continues from; and for every beam node, which temporary nodes (s * k + j) it descends
+    // from, as a [B, k, (num_steps - 1) * k] bit table (the attention mask's history part).
+    std::vector<float> beam_score(batch * k);
+    std::vector<int64_t> beam_tokens(batch * k), beam_cand(batch * k), rows(batch * k);
+    const int64_t width = (num_steps - 1) * k;
+    std::vector<uint8_t> ancestors(batch * k * std::max<int64_t>(width, 1), 0), next_anc(ancestors);
+    for (int64_t b = 0; b < batch; b++)
+        for (int64_t j = 0; j < k; j++) {
+            const int64_t i = b * k + j, id = root_ids.const_data_ptr<int64_t>()[i];
+            beam_score[i] = root_score.const_data_ptr<float>()[i];
+            beam_tokens[i] = id + map[id];
+            beam_cand[i] = j;
+            rows[i] = b;
+            cs[b * total + j] = beam_score[i];
+            ct[b * total + j] = beam_tokens[i];
+            cp[b * total + j] = -1;
+        }
+    at::Tensor beam_hidden = take_rows(start, rows);
+    at::Tensor positions = at::empty({batch * k}, i64);
     int64_t offset = k;
     for (int64_t step = 0; step + 1 < num_steps; step++) {
-        at::Tensor own = at::cat({ancestors, eye}, 2);
+        const int64_t seen = (step + 1) * k;  // mask width: earlier temporary nodes and this depth's
+        at::Tensor mask = at::empty({batch, k, seen}, i64.dtype(at::kBool));
+        bool *m = mask.mutable_data_ptr<bool>();
+        int64_t *pos = positions.mutable_data_ptr<int64_t>();
+        for (int64_t b = 0; b < batch; b++)
+            for (int64_t j = 0; j < k; j++) {
+                const int64_t i = b * k + j;
+                for (int64_t t = 0; t < step * k; t++) m[i * seen + t] = ancestors[i * width + t];
+                for (int64_t t = 0; t < k; t++) m[i * seen + step * k + t] = t == j;
+                pos[i] = base[b] + step;
+            }
         const DepthLayout layout = depth_layout(page_table, committed, k, step, page_size);
-        const std::optional<at::Tensor> mask_start = committed, mask = own.contiguous();
-        at::Tensor positions = at::add(base_positions, step).reshape(-1);
+        const std::optional<at::Tensor> mask_start = committed, own = mask;
         const at::Tensor cos = rotary_rows(cos_table, positions, start.scalar_type());
         const at::Tensor sin = rotary_rows(sin_table, positions, start.scalar_type());
         const StepAttention s{cos,       sin,  page_table, layout.q_indptr, layout.kv_lens,
-                              layout.write_slots, mask_start, mask, page_size, window,
+                              layout.write_slots, mask_start, own, page_size, window,
                               scale,     q_heads, kv_heads, head_dim,    narrow};
-        at::Tensor out = midlayer(d, embed_w, beam_tokens.reshape(-1),
-                                  beam_hidden.reshape({-1, hidden}), k_cache, v_cache, s, eps);
-        at::Tensor logp = at::log_softmax(draft_logits(out, d, eps, vocab), -1)
-                              .view({batch, k, -1});
-        auto [top_score, top_ids] = logp.topk(k, -1);
-        at::Tensor child_score = at::add(beam_score.unsqueeze(2), top_score).reshape({batch, k * k});
-        at::Tensor child_tokens = to_target(top_ids, d2t).reshape({batch, k * k});
-        scores.push_back(child_score);
-        cands.push_back(child_tokens);
-        parents.push_back(beam_cand.unsqueeze(2).expand({batch, k, k}).reshape({batch, k * k}));
-        auto [next_score, pick] = child_score.topk(k, -1);
-        at::Tensor parent_beam = at::floor_divide(pick, k).unsqueeze(2);
-        beam_score = next_score;
-        beam_tokens = child_tokens.gather(1, pick);
-        beam_cand = at::add(pick, offset);
-        beam_hidden = out.view({batch, k, hidden}).gather(1, parent_beam.expand({batch, k, hidden}));
-        ancestors = own.gather(1, parent_beam.expand({batch, k, own.size(2)}));
-        offset += k * k;
+        at::Tensor ids = at::from_blob(beam_tokens.data(), {batch * k}, i64);
+        at::Tensor out = midlayer(d, embed_w, ids, beam_hidden, k_cache, v_cache, s, eps);
+        auto [top_score_t, top_ids_t] =
+            at::log_softmax(draft_logits(out, d, eps, vocab), -1).topk(k, -1);
+        const at::Tensor top_score = top_score_t.contiguous(), top_ids = top_ids_t.contiguous();
+        const float *ts = top_score.const_data_ptr<float>();
+        const int64_t *ti = top_ids.const_data_ptr<int64_t>();
+        // Children of beam node j: cumulative score (one fp32 addition, as in eagle.py),
+        // target token, parent candidate; row-major over (j, child) as eagle.py reshapes.
+        at::Tensor child_score = at::empty({batch, kk}, i64.dtype(at::kFloat));
+        float *child = child_score.mutable_data_ptr<float>();
+        for (int64_t b = 0; b < batch; b++)
+            for (int64_t j = 0; j < k; j++)
+                for (int64_t t = 0; t < k; t++) {
+                    const int64_t q = (b * k + j) * k + t, col = offset + j * k + t;
+                    const int64_t id = ti[q];
+                    child[b * kk + j * k + t] = beam_score[b * k + j] + ts[q];
+                    cs[b * total + col] = child[b * kk + j * k + t];
+                    ct[b * total + col] = id + map[id];
+                    cp[b * total + col] = beam_cand[b * k + j];
+                }
+        if (step + 2 < num_steps) {  // the next beam (the last depth's is never used)
+            auto [next_t, pick_t] = child_score.topk(k, -1);
+            const at::Tensor next = next_t.contiguous(), pick = pick_t.contiguous();
+            const float *ns = next.const_data_ptr<float>();
+            const int64_t *pk = pick.const_data_ptr<int64_t>();
+            for (int64_t b = 0; b < batch; b++)
+                for (int64_t j = 0; j < k; j++) {
+                    const int64_t i = b * k + j, p = pk[i], parent = b * k + p / k;
+                    beam_score[i] = ns[i];
+                    beam_tokens[i] = ct[b * total + offset + p];
+                    beam_cand[i] = offset + p;
+                    rows[i] = parent;
+                    for (int64_t t = 0; t < seen; t++)
+                        next_anc[i * width + t] = m[parent * seen + t];
+                }
+            ancestors.swap(next_anc);
+            beam_hidden = take_rows(out, rows);
+        }
+        offset += kk;
     }
-    return {at::cat(scores, 1), at::cat(cands, 1), at::cat(parents, 1)};
+    return c;
 }
 
-// tree.py's select_tree + _finish_tree: keep the num_nodes - 1 best candidates (a stable
-// descending sort puts every parent before its children), renumber parents, and build the
-// ancestor masks one level per iteration. Integer work on the same ATen ops as there.
+// tree.py's select_tree + finish_tree: keep the num_nodes - 1 best candidates (a stable
+// descending sort, NaN first as torch.sort orders it, puts every parent before its children),
+// renumber parents, and build the ancestor masks one level per iteration. Integer work only:
+// plain loops give exactly tree.py's tensors.
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> select_nodes(
-    const at::Tensor &roots, const at::Tensor &scores, const at::Tensor &tokens,
-    const at::Tensor &parents, int64_t num_nodes, int64_t max_depth) {
-    const int64_t batch = roots.size(0);
-    at::Tensor order = std::get<1>(scores.sort(/*stable=*/true, 1, /*descending=*/true))
-                           .narrow(1, 0, num_nodes - 1);
-    at::Tensor chosen = std::get<0>(order.sort(1));
-    at::Tensor node_of = at::full_like(scores, -1, scores.options().dtype(at::kLong));
-    node_of.scatter_(1, chosen,
-                     at::arange(1, num_nodes, chosen.options()).expand({batch, -1}).contiguous());
-    at::Tensor cand_parent = parents.gather(1, chosen);
-    at::Tensor node_parent =
-        at::where(cand_parent.lt(0), 0, node_of.gather(1, cand_parent.clamp_min(0))).clamp_min(0);
-    at::Tensor all_tokens = at::cat({roots.unsqueeze(1), tokens.gather(1, chosen)}, 1);
-    at::Tensor all_parents =
-        at::cat({at::full({batch, 1}, -1, node_parent.options()), node_parent}, 1);
-    at::Tensor mask = at::eye(num_nodes, roots.options().dtype(at::kBool))
-                          .expand({batch, num_nodes, num_nodes})
-                          .clone();
-    at::Tensor node = all_parents;
-    for (int64_t i = 0; i < max_depth; i++) {
-        mask.scatter_(2, node.clamp_min(0).unsqueeze(2), true);
-        node = at::where(node.ge(0), all_parents.gather(1, node.clamp_min(0)), -1);
+    const at::Tensor &roots, const Candidates &c, int64_t num_nodes, int64_t max_depth) {
+    const int64_t batch = roots.size(0), total = c.scores.size(1), keep = num_nodes - 1;
+    TORCH_CHECK(keep <= total, "tpserve::draft_tree: more nodes than candidates");
+    const at::Tensor root_ids = roots.to(at::kLong).contiguous();
+    auto i64 = at::TensorOptions().dtype(at::kLong);
+    at::Tensor tokens = at::empty({batch, num_nodes}, i64), parents = at::empty_like(tokens);
+    at::Tensor depths = at::empty_like(tokens);
+    at::Tensor mask = at::zeros({batch, num_nodes, num_nodes}, i64.dtype(at::kBool));
+    const float *score = c.scores.const_data_ptr<float>();
+    const int64_t *cand_tok = c.tokens.const_data_ptr<int64_t>();
+    const int64_t *cand_par = c.parents.const_data_ptr<int64_t>();
+    int64_t *tok = tokens.mutable_data_ptr<int64_t>(), *par = parents.mutable_data_ptr<int64_t>();
+    int64_t *dep = depths.mutable_data_ptr<int64_t>();
+    bool *m = mask.mutable_data_ptr<bool>();
+    std::vector<int64_t> order(total), node_of(total);
+    for (int64_t b = 0; b < batch; b++) {
+        const float *sc = score + b * total;
+        std::iota(order.begin(), order.end(), 0);
+        std::stable_sort(order.begin(), order.end(), [sc](int64_t x, int64_t y) {
+            const float a = sc[x], v = sc[y];
+            return std::isnan(a) ? !std::isnan(v) : a > v;  // descending, NaN largest
+        });
+        std::sort(order.begin(), order.begin() + keep);  // proposal order
+        std::fill(node_of.begin(), node_of.end(), -1);
+        for (int64_t j = 0; j < keep; j++) node_of[order[j]] = j + 1;
+        int64_t *t = tok + b * num_nodes, *p = par + b * num_nodes;
+        t[0] = root_ids.const_data_ptr<int64_t>()[b];
+        p[0] = -1;
+        for (int64_t j = 0; j < keep; j++) {
+            const int64_t cand = order[j], up = cand_par[b * total + cand];
+            t[j + 1] = cand_tok[b * total + cand];
+            // An unchosen parent (possible only with NaN scores) maps to the root.
+            p[j + 1] = up < 0 ? 0 : std::max<int64_t>(node_of[up], 0);
+        }
+        for (int64_t n = 0; n < num_nodes; n++) {
+            bool *row = m + (b * num_nodes + n) * num_nodes;
+            row[n] = true;
+            int64_t node = p[n];
+            for (int64_t i = 0; i < max_depth; i++) {
+                row[std::max<int64_t>(node, 0)] = true;
+                node = node >= 0 ? p[std::max<int64_t>(node, 0)] : -1;
+            }
+            int64_t count = 0;
+            for (int64_t x = 0; x < num_nodes; x++) count += row[x];
+            dep[b * num_nodes + n] = count - 1;
+        }
     }
-    at::Tensor depths = at::sub(mask.sum(2), 1);
-    return {all_tokens, all_parents, depths, mask};
+    return {tokens, parents, depths, mask};
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> draft_tree(
@@ -262,11 +355,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> draft_tree(
                            k_cache, v_cache, cos_table, sin_table, page_table, page_size, window,
                            scale, q_heads, kv_heads, head_dim, eps, narrow)
             : hidden;
-    auto [scores, cands, parents] =
-        draft_candidates(start, embed_w, weights, k_cache, v_cache, cos_table, sin_table, page_table,
-                   committed, k, num_steps, page_size, window, scale, q_heads, kv_heads,
-                   head_dim, eps, narrow, vocab);
-    return select_nodes(roots, scores, cands, parents, num_nodes, num_steps);
+    const Candidates cands =
+        draft_candidates(start, embed_w, weights, k_cache, v_cache, cos_table, sin_table,
+                         page_table, committed, k, num_steps, page_size, window, scale, q_heads,
+                         kv_heads, head_dim, eps, narrow, vocab);
+    return select_nodes(roots, cands, num_nodes, num_steps);
 }
 
 }  // namespace
