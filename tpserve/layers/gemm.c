@@ -41,34 +41,65 @@ typedef struct {
     int bf16;
 } gemm_job;
 
+/* Outputs are summed into an fp32 block of up to SUB_ROWS weight rows per x row, then
+ * rounded to 16 bits a vector at a time: rounding one output at a time cost about as much as
+ * its sums at k = 128 (8 rows of a 704 x 128 projection: 43 -> 31 us). */
+#define SUB_ROWS 256
+
+static void store_bf16(uint16_t *dst, const float *src, int64_t n) {
+    int64_t i = 0;
+#if LANES == 16
+    const __m512i one = _mm512_set1_epi32(1), half = _mm512_set1_epi32(0x7FFF);
+    const __m512i abs = _mm512_set1_epi32(0x7FFFFFFF), inf = _mm512_set1_epi32(0x7F800000);
+    const __m512i quiet = _mm512_set1_epi32(0x40);
+    for (; i + 16 <= n; i += 16) { /* f32_to_bf16, 16 at a time: nearest-even, NaN quiet */
+        const __m512i u = _mm512_castps_si512(_mm512_loadu_ps(src + i));
+        const __m512i top = _mm512_srli_epi32(u, 16);
+        const __m512i even = _mm512_srli_epi32(
+            _mm512_add_epi32(_mm512_add_epi32(u, half), _mm512_and_si512(top, one)), 16);
+        const __mmask16 nan = _mm512_cmpgt_epi32_mask(_mm512_and_si512(u, abs), inf);
+        const __m512i out = _mm512_mask_mov_epi32(even, nan, _mm512_or_si512(top, quiet));
+        _mm256_storeu_si256((__m256i *)(dst + i), _mm512_cvtepi32_epi16(out));
+    }
+#endif
+    for (; i < n; i++) dst[i] = f32_to_bf16(src[i]);
+}
+
+static void store_f16(uint16_t *dst, const float *src, int64_t n) {
+    for (int64_t i = 0; i < n; i++) dst[i] = f32_to_f16(src[i]);
+}
+
 /* Rows [r0, r1) of W against every row of x, XBLOCK x rows at a time (4 weight rows per tile
  * for a lone x row). */
 #define DEFINE_CHUNK(FMT)                                                                     \
     static void chunk_##FMT(const gemm_job *job, int64_t r0, int64_t r1) {                     \
         const int64_t k = job->k, ldw = job->ldw, ldy = job->ldy;                              \
-        float sums[ROWS * XMAX];                                                              \
+        float sums[ROWS * XMAX], out[XMAX * SUB_ROWS];                                        \
         for (int64_t i0 = 0; i0 < job->m;) {                                                  \
             const int64_t left = job->m - i0;                                                 \
             const int xs = left == 1 ? 1 : left < XBLOCK ? (int)left : XBLOCK;                \
             const float *xb = job->x + i0 * k;                                                \
             uint16_t *yb = job->y + i0 * ldy;                                                 \
-            int64_t r = r0;                                                                   \
-            if (xs == 1)                                                                      \
-                for (; r + ROWS <= r1; r += ROWS) {                                           \
-                    tile_##FMT##_4_1(job->w + r * ldw, ldw, xb, k, k, sums);                  \
-                    for (int q = 0; q < ROWS; q++) yb[r + q] = f32_to_##FMT(sums[q]);         \
-                }                                                                             \
-            else if (xs <= XPAIR)                                                             \
-                for (; r + 2 <= r1; r += 2) {                                                 \
-                    two_row_tiles_##FMT[xs](job->w + r * ldw, ldw, xb, k, k, sums);           \
-                    for (int j = 0; j < xs; j++) {                                            \
-                        yb[j * ldy + r] = f32_to_##FMT(sums[j * 2]);                          \
-                        yb[j * ldy + r + 1] = f32_to_##FMT(sums[j * 2 + 1]);                  \
+            for (int64_t rb = r0; rb < r1; rb += SUB_ROWS) {                                  \
+                const int64_t re = rb + SUB_ROWS < r1 ? rb + SUB_ROWS : r1;                   \
+                int64_t r = rb;                                                               \
+                if (xs == 1)                                                                  \
+                    for (; r + ROWS <= re; r += ROWS)                                         \
+                        tile_##FMT##_4_1(job->w + r * ldw, ldw, xb, k, k, out + (r - rb));    \
+                else if (xs <= XPAIR)                                                         \
+                    for (; r + 2 <= re; r += 2) {                                             \
+                        two_row_tiles_##FMT[xs](job->w + r * ldw, ldw, xb, k, k, sums);       \
+                        for (int j = 0; j < xs; j++) {                                        \
+                            out[j * SUB_ROWS + r - rb] = sums[j * 2];                         \
+                            out[j * SUB_ROWS + r - rb + 1] = sums[j * 2 + 1];                 \
+                        }                                                                     \
                     }                                                                         \
+                for (; r < re; r++) {                                                         \
+                    one_row_tiles_##FMT[xs](job->w + r * ldw, ldw, xb, k, k, sums);           \
+                    for (int j = 0; j < xs; j++) out[j * SUB_ROWS + r - rb] = sums[j];        \
                 }                                                                             \
-            for (; r < r1; r++) {                                                             \
-                one_row_tiles_##FMT[xs](job->w + r * ldw, ldw, xb, k, k, sums);               \
-                for (int j = 0; j < xs; j++) yb[j * ldy + r] = f32_to_##FMT(sums[j]);         \
+                for (int j = 0; j < xs; j++)                                                  \
+                    store_##FMT(yb + j * ldy + rb, out + j * SUB_ROWS, re - rb);              \
             }                                                                                 \
             i0 += xs;                                                                         \
         }                                                                                     \
