@@ -64,3 +64,34 @@ def test_tp2_chain_and_tree(ckpts: tuple[Path, Path, Path]) -> None:
     # The draft sharded like the target (--speculative-draft-tp 2) drafts the same trees.
     sharded = {"speculative_draft_tp": 2}
     assert run_tp(2, generate, (target, sub, SETTINGS[1], 8, sharded)) == ref
+
+
+@pytest.mark.parametrize("top", [0, 3])
+def test_logprobs_match_plain_decoding(ckpts: tuple[Path, Path, Path], top: int) -> None:
+    """Each appended token's log-probability (and its top alternatives) is what plain greedy
+    decoding reports for it: with no top logprobs asked, acceptance reads them from one fused
+    argmax + logsumexp over all nodes, otherwise from a log-softmax per accepted node."""
+    torch.set_num_threads(1)
+    target, mimic, sub = ckpts
+    prompts, _ = prompts_and_params()
+    params = [SamplingParams(max_new_tokens=12, temperature=0.0, ignore_eos=True, logprobs=top)
+              for _ in prompts]
+
+    def run(draft: Path | None) -> list:
+        engine = OfflineEngine(args_for(target, draft, 3, 2, 6))
+        outs = engine.generate(prompts, params)
+        engine.close()
+        return [(o.output_ids, o.logprobs) for o in outs]
+
+    ref = run(None)
+    for draft in (mimic, sub):
+        got = run(draft)
+        for (ids, lps), (ref_ids, ref_lps) in zip(got, ref, strict=True):
+            assert ids == ref_ids and len(lps) == len(ref_lps) == len(ids)
+            for (tok, lp, alts), (ref_tok, ref_lp, ref_alts) in zip(lps, ref_lps, strict=True):
+                assert tok == ref_tok and lp == pytest.approx(ref_lp, abs=1e-5)
+                assert (alts is None) == (ref_alts is None) == (top == 0)
+                if alts is not None:
+                    assert [t for t, _ in alts] == [t for t, _ in ref_alts]
+                    assert [v for _, v in alts] == pytest.approx([v for _, v in ref_alts],
+                                                                 abs=1e-5)

@@ -22,7 +22,13 @@ from tpserve.engine.runner import ForwardOutput
 from tpserve.spec.config import SpecConfig
 from tpserve.spec.drafter import Drafter, PhaseScope, Verified
 from tpserve.spec.stats import SpecStats, record_request
-from tpserve.spec.verify import Accepted, accept_batch, node_logits, token_logprobs
+from tpserve.spec.verify import (
+    Accepted,
+    accept_batch,
+    accept_greedy_batch,
+    node_logits,
+    token_logprobs,
+)
 
 Logprobs = list[tuple[int, float, Any]] | None
 # Decode tokens a followed request may hold pending while speculation steps aside: the batched
@@ -160,9 +166,14 @@ class SpecDecoder:
         eos = sorted({t for r in reqs for t in r.eos_ids})
         tree = verified.tree
         logits = node_logits(reqs, tree.tokens, tree.parents, verified.logits.float(), eos)
-        accepted = accept_batch(reqs, tree.tokens, tree.parents, logits)
-        logprobs = [token_logprobs(req, acc, logits[b])
-                    for b, (req, acc) in enumerate(zip(reqs, accepted, strict=True))]
+        if all(r.params.greedy and r.params.logprobs == 0 for r in reqs):
+            pairs = accept_greedy_batch(tree.tokens, tree.parents, logits)
+            accepted = [acc for acc, _ in pairs]
+            logprobs: list[Logprobs] = [lps for _, lps in pairs]
+        else:
+            accepted = accept_batch(reqs, tree.tokens, tree.parents, logits)
+            logprobs = [token_logprobs(req, acc, logits[b])
+                        for b, (req, acc) in enumerate(zip(reqs, accepted, strict=True))]
         return Decision(SpecCommit.of([a.nodes for a in accepted]), accepted, logprobs)
 
     def finish_step(self, reqs: Sequence[Request], decision: Decision) -> None:

@@ -21,6 +21,7 @@ import torch
 
 from tpserve.engine.request import Request
 from tpserve.engine.sampler import apply_min_tokens, apply_penalties, target_probs
+from tpserve.layers.fused import greedy_logprob
 
 
 @dataclass(frozen=True)
@@ -118,6 +119,26 @@ def node_logits(reqs: list[Request], tree_tokens: torch.Tensor, parents: torch.T
     flat = apply_penalties(logits.reshape(batch * n, vocab), flat_params, prompts, outputs)
     flat = apply_min_tokens(flat, flat_params, [len(o) for o in outputs], eos)
     return flat.view(batch, n, vocab)
+
+
+def accept_greedy_batch(tree_tokens: torch.Tensor, parents: torch.Tensor, logits: torch.Tensor
+                        ) -> list[tuple[Accepted, list]]:
+    """Greedy acceptance of a whole batch with each appended token's log-probability, for
+    requests that ask for no top logprobs: one fused argmax + logsumexp over every node
+    (``fused.greedy_logprob``, what plain greedy decoding reports) instead of a log-softmax
+    per request. A greedy path's i-th token is its i-th node's argmax, so its logprob is
+    that node's. ``logits`` [B, N, V] fp32, already penalised per node."""
+    batch, nodes, vocab = logits.shape
+    best, chosen = greedy_logprob(logits.reshape(batch * nodes, vocab))
+    host = torch.stack([best.view(batch, nodes), tree_tokens.to(best.device),
+                        parents.to(best.device)]).tolist()
+    lps = chosen.view(batch, nodes).tolist()
+    out = []
+    for b in range(batch):
+        acc = greedy_path(host[1][b], host[2][b], host[0][b])
+        out.append((acc, [(t, lps[b][n], None) for n, t in zip(acc.nodes, acc.tokens,
+                                                                 strict=True)]))
+    return out
 
 
 def accept_batch(reqs: list[Request], tree_tokens: torch.Tensor, parents: torch.Tensor,
