@@ -167,7 +167,9 @@ def test_engine_switches_and_stays_lossless(ckpts: tuple[Path, Path]) -> None:
     assert {"off", "3/2/6"} <= tried, snap  # anchors were measured: it switched
     for row in snap["by_batch"].values():  # the chain too, unless the tree was hopeless there
         if "3/1/4" not in row and {"off", "3/2/6"} <= set(row):
-            assert row["3/2/6"]["measured_tok_s"] < 0.6 * row["off"]["measured_tok_s"], snap
+            # Judged hopeless (< skip_below = 0.6x plain) when the chain was due; the moving
+            # averages may have drifted since on a loaded machine, hence the slack.
+            assert row["3/2/6"]["measured_tok_s"] < 0.75 * row["off"]["measured_tok_s"], snap
     assert snap["choice"] in snap["candidates"]
 
 
