@@ -1,0 +1,36 @@
+"""launch.spec_vs_plain: rounds alternate the servers' order, batch 1 cycles the prompts, and
+the totals ratio weighs every round by its time."""
+
+from __future__ import annotations
+
+import pytest
+
+import launch.spec_vs_plain as svp
+from tpserve.bench import DEFAULT_PROMPTS, RunResult
+
+
+def test_rounds_cycle_prompts_and_report_both_ratios(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[tuple[str, tuple[str, ...]]] = []
+    speed = {"http://plain": 100.0, "http://spec": 150.0}
+
+    def fake_run(url: str, prompts: list[str], tokens: int, temperature: float) -> RunResult:
+        calls.append((url, tuple(prompts)))
+        slow = 2.0 if prompts[0] == DEFAULT_PROMPTS[1] and url == "http://spec" else 1.0
+        return RunResult(tokens * len(prompts), tokens * len(prompts) * slow / speed[url],
+                         10, None)
+
+    monkeypatch.setattr(svp, "run_batch", fake_run)
+    report = svp.main(["--plain", "http://plain", "--spec", "http://spec", "--concurrency", "1",
+                       "--rounds", "5", "--warmup", "0", "--max-tokens", "8"])
+    firsts = [p[0] for url, p in calls if url == "http://plain"]
+    assert firsts == list(DEFAULT_PROMPTS[:5])  # each round the next prompt
+    assert [url for url, _ in calls[:4]] == ["http://plain", "http://spec"] * 1 + [
+        "http://spec", "http://plain"]  # the order flips every round
+    row = report["1"]
+    assert row["ratio_median"] == pytest.approx(1.5)
+    # Totals: spec took twice as long on one prompt of five: 5 / (4 / 1.5 + 2 / 1.5) = 1.25x.
+    assert row["ratio_totals"] == pytest.approx(1.25)
+    calls.clear()
+    svp.main(["--plain", "http://plain", "--spec", "http://spec", "--concurrency", "1",
+              "--rounds", "3", "--warmup", "0", "--same-prompts"])
+    assert {p for _, p in calls} == {(DEFAULT_PROMPTS[0],)}
