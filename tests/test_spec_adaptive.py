@@ -497,3 +497,25 @@ def test_prompt_steps_count_against_the_setting_that_runs() -> None:
     driver.on = False
     driver.observe(TREE, "prefill", 0, 0.5, 1)
     assert driver.carry == 0.0  # pinned settings: nothing is charged later
+
+
+@pytest.mark.parametrize("feed_ms", [0.0, 6.0])
+def test_following_is_judged_against_unfollowed_plain_decoding(feed_ms: float) -> None:
+    """Plain steps that feed the draft cost more than plain decoding without it (18 ms here,
+    6 of them feeding): speculation (~480 tok/s at batch 8 on the fake machine) beats the fed
+    plain steps (444) but not plain decoding unfollowed (667), so new requests are not
+    followed. Where the same 18 ms is all target forward, following pays."""
+    allowed = candidates(TREE, 8, shapes_fixed=False)
+    chooser = AdaptiveChooser(TREE, allowed)
+    rng = random.Random(6)
+    for _ in range(200):
+        s = chooser.choose(8)
+        if s.off:
+            chooser.observe(s, 8, 18.0, 18.0 - feed_ms, feed_ms, 8)
+            continue
+        accs = accepted(s, 8, rng)
+        ms = true_step_ms(s, 8) - 0.5 * 8 + 18.0 - 8.0  # the same plain forward inside
+        draft = s.steps * (1.5 + 0.6 * 8 * s.topk)
+        chooser.observe(s, 8, ms, ms - draft, draft, 8 + sum(len(a.nodes) - 1 for a in accs))
+        chooser.observe_accepts(s, accs)
+    assert chooser.worth_following(8) is (feed_ms == 0.0), chooser.snapshot()

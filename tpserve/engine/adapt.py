@@ -109,8 +109,10 @@ class AdaptiveDriver:
         else:
             ph = self.phases
             forward = ph.get("decode" if setting.off else "verify", 0.0)
+            # A plain step's draft time is what feeding the draft cost it.
+            draft = ph.get("draft", 0.0) if not setting.off else ph.get("feed", 0.0)
             self.chooser.observe(setting, batch, 1e3 * (seconds + self.carry), 1e3 * forward,
-                                 1e3 * ph.get("draft", 0.0), appended)
+                                 1e3 * draft, appended)
             self.carry = 0.0
         self.phases = {}
 

@@ -226,6 +226,8 @@ class Engine:
             self.broadcast(msg)
         with self._phase(batch.kind):
             out = run_forward(self.runner, self.spec, msg)
+        if self.adaptive is not None and self.spec is not None:
+            self.adaptive.phases["feed"] = self.spec.feed_seconds
         with prof.phase("sample"):
             sampling = [r for r, s in zip(batch.requests, batch.samples()) if s]
             sampled = self._sample(sampling, out.logits) if sampling else []

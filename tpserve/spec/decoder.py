@@ -68,6 +68,12 @@ class SpecDecoder:
     def feed(self, step: ForwardStep) -> ForwardOutput:
         return self.drafter.feed(step)
 
+    @property
+    def feed_seconds(self) -> float:
+        """What feeding the draft cost the last plain step past its target forward (0 when
+        it followed none of the step's requests)."""
+        return self.drafter.feed_seconds
+
     def run(self, step: SpecStep, phase: PhaseScope) -> Verified:
         return self.drafter.run(step, phase)
 

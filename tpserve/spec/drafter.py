@@ -16,6 +16,7 @@ One speculative step over a decode batch, with L = seq_len and the root = token 
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
@@ -25,7 +26,7 @@ import torch
 
 from tpserve.engine.forward_batch import ForwardBatch
 from tpserve.engine.kv_cache import KVCache
-from tpserve.engine.messages import ForwardStep, SpecStep
+from tpserve.engine.messages import DraftFeed, ForwardStep, SpecStep
 from tpserve.engine.plan import Layout, build_forward_batch
 from tpserve.engine.runner import ForwardOutput, ModelRunner
 from tpserve.engine.static_forward import draft_forward, run_static, verify_forward
@@ -60,6 +61,9 @@ class Drafter:
         self.aux_sorted = tuple(sorted(aux_layers))
         self.aux_order = [self.aux_sorted.index(i) for i in aux_layers]
         self.pending: dict[int, torch.Tensor] = {}
+        # Seconds the last plain step spent feeding the draft after the target forward (the
+        # followed requests' projections, deferred rows, extend): what following cost it.
+        self.feed_seconds = 0.0
         # Trees grown by the one native call vs the per-depth loop (reported in the stats).
         self.trees = {"native": 0, "loop": 0}
         self.page_features = torch.zeros(draft_kv.cfg.num_pages, draft.cfg.base.hidden_size,
@@ -102,9 +106,17 @@ class Drafter:
         assert step.feed is not None
         feed = step.feed
         self.forget(feed.drop)
+        self.feed_seconds = 0.0
         if not len(feed.rows):
             return self.runner.forward(step, step.logit_rows)
         out = self.runner.forward(step, step.logit_rows, self.aux_sorted)
+        start = time.perf_counter()
+        self._feed_rows(step, feed, out)
+        self.feed_seconds = time.perf_counter() - start
+        return out
+
+    def _feed_rows(self, step: ForwardStep, feed: DraftFeed, out: ForwardOutput) -> None:
+        """The followed requests' features, pending or extended into the draft."""
         row_starts = np.cumsum(step.q_lens) - step.q_lens
         q_lens = step.q_lens[feed.rows]
         if len(feed.rows) == len(step.q_lens):
@@ -148,7 +160,6 @@ class Drafter:
             self.pending[key] = new[q - 1 :]
         if any(len(t) for t in toks):  # a batch of one-token prompts has nothing to extend
             self._draft_extend(rows, toks, starts, step.page_table[extended])
-        return out
 
     def _draft_extend(self, rows: list[torch.Tensor], toks: list[torch.Tensor],
                       starts: list[int], page_table: np.ndarray) -> torch.Tensor:
