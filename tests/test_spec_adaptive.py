@@ -519,3 +519,19 @@ def test_following_is_judged_against_unfollowed_plain_decoding(feed_ms: float) -
         chooser.observe(s, 8, ms, ms - draft, draft, 8 + sum(len(a.nodes) - 1 for a in accs))
         chooser.observe_accepts(s, accs)
     assert chooser.worth_following(8) is (feed_ms == 0.0), chooser.snapshot()
+
+
+def test_a_shrinking_batch_does_not_inflate_a_measured_rate() -> None:
+    """A bucket spans several batch sizes: at the tail of a burst of 8 the batch shrinks and
+    each step gets cheaper at once while its tokens fall with it. The rate must divide
+    averages over the same steps (here every step makes 1500 tok/s), not a fast-moving step
+    time into a slow token average (that read ~2400 here and kept a chain running at 8
+    clients for ~100 steps)."""
+    chooser = AdaptiveChooser(TREE, candidates(TREE, 8, shapes_fixed=False))
+    chain = Setting(4, 1, 5)
+    for batch in [8] * 60 + [5] * 15:
+        for s in (chain, OFF):
+            chooser.observe(s, batch, 2.0 * batch, 1.5 * batch, 0.0, 3 * batch if s == chain
+                            else batch)
+    assert chooser.costs[8][chain].tok_s == pytest.approx(1500, rel=0.02)
+    assert chooser.predict(8, OFF) == pytest.approx(500, rel=0.02)

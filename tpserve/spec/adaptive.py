@@ -96,12 +96,24 @@ class Costs:
     draft_ms: Ema = field(default_factory=Ema)
     tokens: Ema = field(default_factory=Ema)  # appended per step
     requests: Ema = field(default_factory=Ema)  # batch size per step (a bucket spans several)
+    # Step and draft time averaged over the same steps as tokens and requests: a rate must
+    # divide averages of one window. step_ms (faster, for the cost model) against the slow
+    # token average overrated whatever ran while a bucket's batch shrank (the tail of a burst
+    # of 8: steps got cheaper at once, tokens a step only slowly): 4/1/5 "measured" 2215
+    # tok/s at 8 clients where plain decoding made ~1200, and ran 100 steps there.
+    window_ms: Ema = field(default_factory=Ema)
+    window_draft_ms: Ema = field(default_factory=Ema)
     last_step: int = 0
 
     @property
     def tok_s(self) -> float:
         # A ratio of means: a mean of per-step ratios would favour lucky fast steps.
-        return 1e3 * self.tokens.value / max(self.step_ms.value, 1e-6)
+        return 1e3 * self.tokens.value / max(self.window_ms.value, 1e-6)
+
+    @property
+    def request_tok_s(self) -> float:
+        """Requests served per second: plain decoding's tok/s."""
+        return 1e3 * self.requests.value / max(self.window_ms.value, 1e-6)
 
 
 @dataclass
@@ -194,6 +206,8 @@ class AdaptiveChooser:
         cost.draft_ms.add(draft_ms, alpha)
         cost.tokens.add(float(tokens), self.cfg.tokens_alpha)
         cost.requests.add(float(batch), self.cfg.tokens_alpha)
+        cost.window_ms.add(step_ms, self.cfg.tokens_alpha)
+        cost.window_draft_ms.add(draft_ms, self.cfg.tokens_alpha)
         cost.last_step = self.steps
 
     def observe_accepts(self, setting: Setting, accepted: list[Accepted]) -> None:
@@ -247,13 +261,12 @@ class AdaptiveChooser:
         # several; judging all at the bucket's top would favour whichever ran on fewer).
         cost = self.costs.get(bucket, {}).get(setting)
         if setting.off:
-            return 1e3 * cost.requests.value / cost.step_ms.value if cost is not None else None
+            return cost.request_tok_s if cost is not None else None
         model = self.model(bucket, setting.topk)
         if model is None:
             return None
         if cost is not None:  # measured here: its own step time, acceptance blended
-            modeled = (1e3 * cost.requests.value * model.accept_length(setting.steps)
-                       / cost.step_ms.value)
+            modeled = cost.request_tok_s * model.accept_length(setting.steps)
             trust = min(1.0, cost.tokens.count * cost.requests.value / self.cfg.trust_requests)
             return trust * cost.tok_s + (1 - trust) * modeled
         seen = self.costs[bucket][OFF].requests.value  # model() needs plain measured here
@@ -291,7 +304,8 @@ class AdaptiveChooser:
         # feeding of the draft (their ``draft_ms``), and judging speculation against them
         # kept requests followed where it never paid (demo pair, 8 clients: plain steps
         # 6.0 ms on the speculative server against ~4.4 on a plain one, 0.76-0.88x).
-        unfollowed = 1e3 * off.requests.value / max(off.step_ms.value - off.draft_ms.value, 1e-6)
+        unfollowed = 1e3 * off.requests.value / max(
+            off.window_ms.value - off.window_draft_ms.value, 1e-6)
         return stale or max(spec) * (1 + self.cfg.follow_slack) >= unfollowed
 
     def step_aside(self, batch: int) -> Setting:
