@@ -76,6 +76,10 @@ class AdaptiveDriver:
               ) -> AbstractContextManager[None]:
         return clocked(inner, self.phases, name)
 
+    def record(self, name: str, seconds: float) -> None:
+        """Time measured inside another part of the step (the draft feed within a forward)."""
+        self.phases[name] = self.phases.get(name, 0.0) + seconds
+
     def change_for(self, spec: SpecDecoder, running: int,
                    followed: bool = True) -> ConfigChange | None:
         """Before a step over ``running`` requests: the change every rank must apply for the

@@ -227,7 +227,7 @@ class Engine:
         with self._phase(batch.kind):
             out = run_forward(self.runner, self.spec, msg)
         if self.adaptive is not None and self.spec is not None:
-            self.adaptive.phases["feed"] = self.spec.feed_seconds
+            self.adaptive.record("feed", self.spec.feed_seconds)
         with prof.phase("sample"):
             sampling = [r for r, s in zip(batch.requests, batch.samples()) if s]
             sampled = self._sample(sampling, out.logits) if sampling else []

@@ -190,6 +190,7 @@ Candidates draft_candidates(
     const int64_t batch = start.size(0), kk = k * k;
     const int64_t total = k + (num_steps - 1) * kk;
     const int64_t *map = d2t.const_data_ptr<int64_t>();
+    const auto to_target = [map](int64_t id) { return id + map[id]; };  // eagle3.py's to_target
     const int32_t *base = committed.const_data_ptr<int32_t>();
     auto i64 = at::TensorOptions().dtype(at::kLong);
     Candidates c{at::empty({batch, total}, i64.dtype(at::kFloat)), at::empty({batch, total}, i64),
@@ -210,7 +211,7 @@ Candidates draft_candidates(
         for (int64_t j = 0; j < k; j++) {
             const int64_t i = b * k + j, id = root_ids.const_data_ptr<int64_t>()[i];
             beam_score[i] = root_score.const_data_ptr<float>()[i];
-            beam_tokens[i] = id + map[id];
+            beam_tokens[i] = to_target(id);
             beam_cand[i] = j;
             rows[i] = b;
             cs[b * total + j] = beam_score[i];
@@ -254,10 +255,9 @@ Candidates draft_candidates(
             for (int64_t j = 0; j < k; j++)
                 for (int64_t t = 0; t < k; t++) {
                     const int64_t q = (b * k + j) * k + t, col = offset + j * k + t;
-                    const int64_t id = ti[q];
                     child[b * kk + j * k + t] = beam_score[b * k + j] + ts[q];
                     cs[b * total + col] = child[b * kk + j * k + t];
-                    ct[b * total + col] = id + map[id];
+                    ct[b * total + col] = to_target(ti[q]);
                     cp[b * total + col] = beam_cand[b * k + j];
                 }
         if (step + 2 < num_steps) {  // the next beam (the last depth's is never used)

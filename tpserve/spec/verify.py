@@ -130,15 +130,18 @@ def accept_greedy_batch(tree_tokens: torch.Tensor, parents: torch.Tensor, logits
     that node's. ``logits`` [B, N, V] fp32, already penalised per node."""
     batch, nodes, vocab = logits.shape
     best, chosen = greedy_logprob(logits.reshape(batch * nodes, vocab))
-    host = torch.stack([best.view(batch, nodes), tree_tokens.to(best.device),
-                        parents.to(best.device)]).tolist()
     lps = chosen.view(batch, nodes).tolist()
-    out = []
-    for b in range(batch):
-        acc = greedy_path(host[1][b], host[2][b], host[0][b])
-        out.append((acc, [(t, lps[b][n], None) for n, t in zip(acc.nodes, acc.tokens,
-                                                                 strict=True)]))
-    return out
+    return [(acc, [(t, lps[b][n], None) for n, t in zip(acc.nodes, acc.tokens, strict=True)])
+            for b, acc in enumerate(_greedy_paths(best.view(batch, nodes), tree_tokens,
+                                                  parents))]
+
+
+def _greedy_paths(best: torch.Tensor, tree_tokens: torch.Tensor, parents: torch.Tensor
+                  ) -> list[Accepted]:
+    """Each request's greedy path from the target argmax ``best`` [B, N] at every node: one
+    read-back of the argmax and the tree for the whole batch."""
+    host = torch.stack([best, tree_tokens.to(best.device), parents.to(best.device)]).tolist()
+    return [greedy_path(toks, pars, top) for top, toks, pars in zip(*host, strict=True)]
 
 
 def accept_batch(reqs: list[Request], tree_tokens: torch.Tensor, parents: torch.Tensor,
@@ -147,11 +150,10 @@ def accept_batch(reqs: list[Request], tree_tokens: torch.Tensor, parents: torch.
     sampled = [b for b, r in enumerate(reqs) if not r.params.greedy]
     results: list[Accepted | None] = [None] * len(reqs)
     if len(sampled) < len(reqs):
-        best = logits.argmax(dim=-1)
-        host = torch.stack([best, tree_tokens.to(best.device), parents.to(best.device)]).tolist()
+        paths = _greedy_paths(logits.argmax(dim=-1), tree_tokens, parents)
         for b, req in enumerate(reqs):
             if req.params.greedy:
-                results[b] = greedy_path(host[1][b], host[2][b], host[0][b])
+                results[b] = paths[b]
     if sampled:
         tree = torch.stack([tree_tokens, parents]).to(logits.device)
         if len(sampled) < len(reqs):  # only the sampled requests' rows
