@@ -22,6 +22,7 @@ from tpserve.engine.sampling_params import SamplingParams
 from tpserve.engine.warmup import warm_up, warmup_shape
 from tpserve.errors import ConfigError
 from tpserve.generation_config import load_generation_config, stop_token_ids
+from tpserve.heap import freeze_startup_heap
 from tpserve.model_path import resolve_args
 from tpserve.models.config import ModelConfig
 from tpserve.preflight import check_server_args
@@ -81,6 +82,7 @@ def run(args: ServerArgs) -> int:
     built = build_engine(args, on_stage)
     args = built.args
     if built.engine is None:
+        freeze_startup_heap()
         return run_follower(built.follow, built.channel, built.comm)
     from tpserve.server.app_main import serve_http
 

@@ -23,6 +23,7 @@ from tpserve.chat_template_files import load_chat_template
 from tpserve.demo import served_name
 from tpserve.engine.engine import Engine
 from tpserve.generation_config import load_generation_config, log_defaults
+from tpserve.heap import freeze_startup_heap
 from tpserve.layers.quant import resident_weight_bytes
 from tpserve.server.admin_api import ADMIN_BODIES, register_admin
 from tpserve.server.engine_client import ClientLimits, EngineClient
@@ -121,6 +122,7 @@ def serve_http(args: ServerArgs, setup: Any, engine: Engine, tokenizer: Tokenize
     if engine_thread is not None:
         watchdog = Watchdog(engine, engine_thread, state.static_info["rank_pids"], on_failure)
         watchdog.start()
+    state.static_info["gc_frozen_objects"] = freeze_startup_heap()
     state.ready = True
     sockets = [responder.stop()] if responder is not None else None
     log.info("ready %.1fs after launch: serving on http://%s:%d", seconds_since_start(),
