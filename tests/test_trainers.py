@@ -14,6 +14,7 @@ import transformers
 from tests.checkpoints import make_checkpoint
 from tpserve.engine.kv_cache import KVCache, KVCacheConfig
 from tpserve.engine.plan import Layout, build_forward_batch
+from tpserve.errors import ConfigError
 from tpserve.layers.tp import TPContext
 from tpserve.models.eagle3 import build_eagle3, load_eagle3_config
 from tpserve.spec.config import SpecConfig
@@ -21,7 +22,7 @@ from tpserve.spec.eagle import draft_tree
 from tpserve.train import eagle3, target
 from tpserve.train.draft_model import DraftShape, Eagle3Trainable
 from tpserve.train.eagle_data import DraftVocab, target_view
-from tpserve.train.eagle_export import default_aux_ids, export_draft
+from tpserve.train.eagle_export import default_aux_ids, export_draft, load_exported
 
 
 @pytest.fixture(scope="module")
@@ -101,3 +102,18 @@ def test_trainer_draft_matches_engine_draft(tmp_path: Path) -> None:
     torch.testing.assert_close(logits[0][0], engine_draft.logits(out), rtol=1e-4, atol=1e-4)
     trainer_chain = [int(vocab.ids[lg[0, -1].argmax()]) for lg in logits]
     assert trainer_chain == chain.tolist()
+
+
+def test_warm_start_takes_the_exported_weights_and_vocab(tmp_path: Path) -> None:
+    shape = DraftShape(64, 4, 2, 96, 24, 64, 1e-6, 10000.0)
+    vocab = DraftVocab(torch.tensor([0, 3, 4, 9, 11, 20, 21, 22] + list(range(30, 46))))
+    tcfg = {"vocab_size": 48, "max_position_embeddings": 64}
+    trained = _random_draft(shape)
+    export_draft(trained, vocab, default_aux_ids(4), tcfg, tmp_path / "d", dtype=torch.float32)
+    fresh = Eagle3Trainable(shape)
+    got = load_exported(fresh, tmp_path / "d")
+    assert torch.equal(got.ids, vocab.ids)
+    for name, value in trained.state_dict().items():
+        assert torch.equal(fresh.state_dict()[name], value), name
+    with pytest.raises(ConfigError, match="shape"):
+        load_exported(Eagle3Trainable(DraftShape(64, 4, 2, 128, 24, 64, 1e-6, 1e4)), tmp_path / "d")

@@ -43,7 +43,7 @@ from tpserve.train.eagle_data import (
     load_target,
     target_view,
 )
-from tpserve.train.eagle_export import default_aux_ids, export_draft
+from tpserve.train.eagle_export import default_aux_ids, export_draft, load_exported
 from tpserve.train.evaluate import accept_eval, eval_prompts
 
 
@@ -72,6 +72,7 @@ class DraftTrainConfig:
     device: str = "auto"
     threads: int | None = 2
     target_dtype: str = "auto"  # auto: bfloat16 on CUDA, float32 on CPU
+    init_from: str | None = None  # warm start from an exported draft: its weights and vocab
 
 
 def make_data(cfg: DraftTrainConfig, model, tok: Tokenizer,  # type: ignore[no-untyped-def]
@@ -194,7 +195,10 @@ def train(cfg: DraftTrainConfig, target_dir: Path, out: Path) -> dict:
     gen_seconds = timer.elapsed()
     vocab = choose_vocab(data, target_cfg["vocab_size"], cfg.draft_vocab)
     aux_ids = default_aux_ids(target_cfg["num_hidden_layers"])
-    draft = init_draft(draft_shape(target_cfg, cfg, vocab), target, vocab).to(device)
+    draft = init_draft(draft_shape(target_cfg, cfg, vocab), target, vocab)
+    if cfg.init_from:
+        vocab = load_exported(draft, Path(cfg.init_from))
+    draft = draft.to(device)
 
     def save(name: str | None) -> Path:
         return export_draft(draft, vocab, aux_ids, target_cfg, out / name if name else out)

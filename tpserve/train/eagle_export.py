@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 
 from tpserve.errors import ConfigError
 from tpserve.train.draft_model import Eagle3Trainable
@@ -56,3 +56,17 @@ def export_draft(draft: Eagle3Trainable, vocab: DraftVocab, aux_ids: tuple[int, 
     cfg = draft_config(draft, aux_ids, target_cfg, str(dtype).removeprefix("torch."))
     (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
     return out
+
+
+def load_exported(draft: Eagle3Trainable, path: Path) -> DraftVocab:
+    """Warm start: ``draft`` takes the weights of a draft ``export_draft`` wrote (same shape),
+    and the vocabulary it was trained with is returned (its ``d2t``)."""
+    tensors = load_file(str(path / "model.safetensors"))
+    d2t = tensors.pop("d2t")
+    tensors.pop("t2d", None)
+    mine = draft.state_dict()
+    if set(tensors) != set(mine) or any(tensors[k].shape != mine[k].shape for k in mine):
+        raise ConfigError(f"the draft in '{path}' does not have this draft's shape",
+                          flag="--init-from")
+    draft.load_state_dict({k: v.float() for k, v in tensors.items()})
+    return DraftVocab(d2t + torch.arange(d2t.numel()))
