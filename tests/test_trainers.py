@@ -19,7 +19,7 @@ from tpserve.layers.tp import TPContext
 from tpserve.models.eagle3 import build_eagle3, load_eagle3_config
 from tpserve.spec.config import SpecConfig
 from tpserve.spec.eagle import draft_tree
-from tpserve.train import eagle3, target
+from tpserve.train import eagle3, evaluate, target
 from tpserve.train.draft_model import DraftShape, Eagle3Trainable
 from tpserve.train.eagle_data import DraftVocab, target_view
 from tpserve.train.eagle_export import default_aux_ids, export_draft, load_exported
@@ -117,3 +117,11 @@ def test_warm_start_takes_the_exported_weights_and_vocab(tmp_path: Path) -> None
         assert torch.equal(fresh.state_dict()[name], value), name
     with pytest.raises(ConfigError, match="shape"):
         load_exported(Eagle3Trainable(DraftShape(64, 4, 2, 128, 24, 64, 1e-6, 1e4)), tmp_path / "d")
+
+
+def test_evaluation_measures_the_setting_it_names() -> None:
+    """The chooser (on by default with a draft) would report its own mix of settings."""
+    args = evaluate.engine_args(Path("target"), Path("draft"), evaluate.SpecSetting(3, 1, 4), "cpu")
+    assert args.speculative_adaptive == "off"
+    assert (args.speculative_num_steps, args.speculative_eagle_topk,
+            args.speculative_num_draft_tokens) == (3, 1, 4)

@@ -60,7 +60,8 @@ def engine_args(target: Path, draft: Path | None, setting: SpecSetting | None,
     spec = {} if setting is None or draft is None else dict(
         speculative_algorithm="EAGLE3", speculative_draft_model_path=str(draft),
         speculative_num_steps=setting.steps, speculative_eagle_topk=setting.topk,
-        speculative_num_draft_tokens=setting.tokens)
+        speculative_num_draft_tokens=setting.tokens,
+        speculative_adaptive="off")  # the setting measured, not the chooser's picks
     base = dict(device="cpu" if device == "auto" else device, max_total_tokens=8192,
                 context_length=1024)
     return ServerArgs(model=str(target), **{**base, **kw}, **spec)  # type: ignore[arg-type]
