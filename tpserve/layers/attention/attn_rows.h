@@ -10,6 +10,8 @@ typedef struct attn_scratch {
     int64_t lo[ATTN_MAX_ROWS], hi[ATTN_MAX_ROWS]; /* visible key range per row */
     int32_t j[ATTN_MAX_ROWS], h[ATTN_MAX_ROWS], g[ATTN_MAX_ROWS];
     uint32_t bits[ATTN_MAX_ROWS];
+    /* A tree row's chunk gathered in sequential order (see tree_tail): one kv head. */
+    char kbuf[LANES * ATTN_MAX_HEAD_DIM * 4], vbuf[LANES * ATTN_MAX_HEAD_DIM * 4];
 } attn_scratch;
 
 /* Position of element d inside the kernel's lane order (see load_pair). */
@@ -30,6 +32,16 @@ static int map_rows(const attn_item *it, attn_scratch *s) {
                 s->g[r] = g;
             }
     return r;
+}
+
+/* The logical index sequential decoding gives query j of masked request b: mask_start plus
+ * the keys of the tree block it sees, itself included, minus one. */
+static int64_t tree_position(const attn_problem *p, int64_t b, int64_t j, int64_t mask_end) {
+    const int64_t start = p->mask_start[b];
+    const uint8_t *row = p->custom_mask + (b * p->mask_rows + j) * p->mask_width;
+    int64_t seen = 0;
+    for (int64_t t = start; t < mask_end; t++) seen += row[t - start] != 0;
+    return start + seen - 1;
 }
 
 static void load_rows(const attn_problem *p, const attn_item *it, attn_scratch *s, int rows, int dtype) {
@@ -251,6 +263,62 @@ static inline int64_t slot_offset(const attn_problem *p, const int32_t *pages, i
     return ((int64_t)pages[page] * p->page_size + (t - page * p->page_size)) * key_bytes;
 }
 
+/* Start of the page-aligned chunk of LANES keys that holds logical key t. */
+static inline int64_t chunk_start(int64_t t, int64_t ps) { return t - (t % ps) % LANES; }
+
+/* Keys [from, it->k1) for tree (custom mask) rows, each query with the keys it sees laid out
+ * as sequential decoding lays them out: prefix key t at position t, the i-th visible key of
+ * the tree block at mask_start + i. Lanes follow positions, and a chunk's exp sum pairs
+ * lanes by a fixed tree, so a node off the first branch (at a later slot than its token gets
+ * when decoded one by one) would otherwise get other bits than plain decoding, and greedy
+ * output could change at a near-tie (bf16 demo pair, 4/2/8: 1 of 16 held-out prompts). The
+ * chunks here are gathered per query (its rows across the group share them). */
+/* The first visible slot of a query's tree block at or after t (mask_end when none). */
+static inline int64_t next_visible(const uint8_t *mask, int64_t t, int64_t start, int64_t mask_end) {
+    while (t < mask_end && !mask[t - start]) t++;
+    return t;
+}
+
+static inline __attribute__((always_inline)) void tree_tail(
+    const attn_problem *p, const attn_item *it, attn_scratch *s, int64_t from, int per_head,
+    int64_t head_bytes, int64_t key_bytes, const int32_t *pages, int dtype) {
+    const int64_t ps = p->page_size, b = it->b, start = p->mask_start[b];
+    const int64_t mask_end = min64(p->kv_lens[b], start + p->mask_width);
+    const int groups = it->g1 - it->g0, queries = it->j1 - it->j0;
+    for (int64_t jj = 0; jj < queries; jj++) {
+        const int64_t j = it->j0 + jj;
+        const uint8_t *mask = p->custom_mask + (b * p->mask_rows + j) * p->mask_width;
+        const int64_t end = min64(it->k1, tree_position(p, b, j, mask_end) + 1);
+        const int64_t lo = s->lo[(int)jj * groups]; /* the same for every head */
+        int64_t cursor = next_visible(mask, start, start, mask_end); /* slot of position start */
+        for (int64_t v = start; v < from; v++) cursor = next_visible(mask, cursor + 1, start, mask_end);
+        for (int64_t v0 = from, v1; v0 < end; v0 = v1) {
+            v1 = min64(min64(v0 + LANES, (v0 / ps + 1) * ps), end);
+            int64_t slot[LANES];
+            uint32_t bits = 0;
+            for (int64_t v = v0; v < v1; v++) {
+                const int64_t t = v < start ? v : cursor;
+                if (v >= start) cursor = next_visible(mask, cursor + 1, start, mask_end);
+                slot[v - v0] = slot_offset(p, pages, t, key_bytes);
+                if (v >= it->k0 && t >= lo) bits |= 1u << (v - v0); /* the window: by slot */
+            }
+            if (!bits) continue;
+            for (int hh = 0; hh < it->h1 - it->h0; hh++) {
+                const int r0 = hh * per_head + (int)jj * groups;
+                for (int64_t v = v0; v < v1; v++) {
+                    const int64_t at = slot[v - v0] + (it->h0 + hh) * head_bytes;
+                    memcpy(s->kbuf + (v - v0) * head_bytes, (const char *)p->k_cache + at, (size_t)head_bytes);
+                    memcpy(s->vbuf + (v - v0) * head_bytes, (const char *)p->v_cache + at, (size_t)head_bytes);
+                }
+                for (int r = r0; r < r0 + groups; r++) s->bits[r] = bits;
+                /* Lanes past v1 - v0 hold no key: zero scores, hidden (as past a page end). */
+                head_chunk(s, r0, r0 + groups, s->kbuf, s->vbuf, head_bytes, v1 - v0, p->head_dim,
+                           dtype, 0, 0);
+            }
+        }
+    }
+}
+
 static inline __attribute__((always_inline)) void run_item(const attn_problem *p, const attn_item *it,
                                                            attn_scratch *s, const int dtype) {
     const int64_t d_all = p->head_dim, ps = p->page_size, b = it->b;
@@ -258,7 +326,12 @@ static inline __attribute__((always_inline)) void run_item(const attn_problem *p
     const int64_t head_bytes = d_all * elem_size(dtype), key_bytes = p->kv_heads * head_bytes;
     const int32_t *pages = p->page_table + b * p->max_pages;
     load_rows(p, it, s, rows, dtype);
-    for (int64_t t0 = it->k0 - (it->k0 % ps) % LANES, t1; t0 < it->k1; t0 = t1) {
+    /* With a tree mask, the chunk that holds the tree block's first key and everything after
+     * it are walked per query in sequential order (tree_tail). */
+    const int64_t tail = p->custom_mask ? max64(chunk_start(p->mask_start[b], ps),
+                                                chunk_start(it->k0, ps)) : it->k1;
+    const int64_t walk_end = min64(it->k1, tail);
+    for (int64_t t0 = chunk_start(it->k0, ps), t1; t0 < walk_end; t0 = t1) {
         const int64_t page = t0 / ps;
         t1 = min64(t0 + LANES, (page + 1) * ps);
         uint32_t any = 0;
@@ -274,6 +347,8 @@ static inline __attribute__((always_inline)) void run_item(const attn_problem *p
                        (const char *)p->v_cache + at, key_bytes, t1 - t0, d_all, dtype, ahead, n2);
         }
     }
+    if (tail < it->k1)
+        tree_tail(p, it, s, tail, per_head, head_bytes, key_bytes, pages, dtype);
     if (it->part < 0) store_rows(p, it, s, rows);
     else save_part(p, it, s, rows);
 }

@@ -15,7 +15,9 @@
  * multiples of ATTN_SPLIT_KEYS into separate items whose partial softmax states are merged
  * afterwards (long decodes then spread over threads). Keys are walked in chunks of LANES slots
  * aligned to the page, so a row's result depends only on its own visible keys: not on the batch,
- * the other rows of its item, or the thread count.
+ * the other rows of its item, or the thread count. A tree (custom mask) query's keys from the
+ * chunk of its block's first key on are walked at the positions sequential decoding gives
+ * them (attn_rows.h, tree_tail), so a verified token's attention has plain decoding's bits.
  *
  * Per chunk: scores (one fp32 vector accumulator per row and key over head_dim, the chunk's
  * accumulators summed by one transpose-and-add tree), online softmax in fp32 (running max,
