@@ -8,6 +8,7 @@ typedef struct attn_scratch {
     float p[ATTN_MAX_ROWS * LANES]; /* the chunk's probabilities per row */
     float m[ATTN_MAX_ROWS], l[ATTN_MAX_ROWS];
     int64_t lo[ATTN_MAX_ROWS], hi[ATTN_MAX_ROWS]; /* visible key range per row */
+    int64_t tail[ATTN_MAX_ROWS]; /* keys from here on are walked by tree_tail (INT64_MAX: none) */
     int32_t j[ATTN_MAX_ROWS], h[ATTN_MAX_ROWS], g[ATTN_MAX_ROWS];
     uint32_t bits[ATTN_MAX_ROWS];
     /* A tree row's chunk gathered in sequential order (see tree_tail): one kv head. */
@@ -44,6 +45,21 @@ static int64_t tree_position(const attn_problem *p, int64_t b, int64_t j, int64_
     return start + seen - 1;
 }
 
+/* Start of the page-aligned chunk of LANES keys that holds logical key t. */
+static inline int64_t chunk_start(int64_t t, int64_t ps) { return t - (t % ps) % LANES; }
+
+/* Whether query j of masked request b sees a run of its tree block from the block's first
+ * key (a chain, or a tree's first branch): its keys then sit where sequential decoding puts
+ * them, and the shared walk already gives plain decoding's bits. */
+static int in_sequence(const attn_problem *p, int64_t b, int64_t j, int64_t mask_end) {
+    const int64_t start = p->mask_start[b];
+    const uint8_t *row = p->custom_mask + (b * p->mask_rows + j) * p->mask_width;
+    int64_t t = start;
+    while (t < mask_end && row[t - start]) t++;
+    while (t < mask_end && !row[t - start]) t++;
+    return t == mask_end;
+}
+
 static void load_rows(const attn_problem *p, const attn_item *it, attn_scratch *s, int rows, int dtype) {
     const int64_t d_all = p->head_dim, group = p->q_heads / p->kv_heads;
     const int64_t q0 = p->q_indptr[it->b], q_len = p->q_indptr[it->b + 1] - q0;
@@ -69,6 +85,8 @@ static void load_rows(const attn_problem *p, const attn_item *it, attn_scratch *
         s->l[r] = 0.0f;
         s->lo[r] = p->window > 0 ? max64(0, at - p->window + 1) : 0;
         s->hi[r] = p->custom_mask ? mask_end : at + 1;
+        s->tail[r] = p->custom_mask && !in_sequence(p, it->b, s->j[r], mask_end)
+                         ? chunk_start(p->mask_start[it->b], p->page_size) : INT64_MAX;
     }
 }
 
@@ -79,7 +97,8 @@ static inline uint32_t lane_range(int64_t a, int64_t e) { /* bits a..e-1, 0 <= a
 /* Which of the keys [t0, t0 + n) inside [k0, k1) row r sees. */
 static inline uint32_t row_bits(const attn_problem *p, const attn_scratch *s, int r, int64_t b,
                                 int64_t t0, int64_t n, int64_t k0, int64_t k1) {
-    const int64_t a = max64(max64(s->lo[r], t0), k0), e = min64(min64(s->hi[r], t0 + n), k1);
+    const int64_t a = max64(max64(s->lo[r], t0), k0);
+    const int64_t e = min64(min64(min64(s->hi[r], t0 + n), k1), s->tail[r]);
     if (a >= e) return 0;
     uint32_t bits = lane_range(a - t0, e - t0);
     if (p->custom_mask) {
@@ -263,16 +282,13 @@ static inline int64_t slot_offset(const attn_problem *p, const int32_t *pages, i
     return ((int64_t)pages[page] * p->page_size + (t - page * p->page_size)) * key_bytes;
 }
 
-/* Start of the page-aligned chunk of LANES keys that holds logical key t. */
-static inline int64_t chunk_start(int64_t t, int64_t ps) { return t - (t % ps) % LANES; }
-
-/* Keys [from, it->k1) for tree (custom mask) rows, each query with the keys it sees laid out
- * as sequential decoding lays them out: prefix key t at position t, the i-th visible key of
- * the tree block at mask_start + i. Lanes follow positions, and a chunk's exp sum pairs
- * lanes by a fixed tree, so a node off the first branch (at a later slot than its token gets
- * when decoded one by one) would otherwise get other bits than plain decoding, and greedy
- * output could change at a near-tie (bf16 demo pair, 4/2/8: 1 of 16 held-out prompts). The
- * chunks here are gathered per query (its rows across the group share them). */
+/* The keys from the chunk of the tree block's first key on, for tree (custom mask) queries
+ * off the first branch, laid out as sequential decoding lays them out: prefix key t at
+ * position t, the i-th visible key of the block at mask_start + i. Lanes follow positions,
+ * and a chunk's exp sum pairs lanes by a fixed tree, so such a node (at a later slot than its
+ * token gets when decoded one by one) would otherwise get other bits than plain decoding,
+ * and greedy output could change at a near-tie (bf16 demo pair, 4/2/8: 1 of 16 held-out
+ * prompts). The chunks are gathered per query (its rows across the group share them). */
 /* The first visible slot of a query's tree block at or after t (mask_end when none). */
 static inline int64_t next_visible(const uint8_t *mask, int64_t t, int64_t start, int64_t mask_end) {
     while (t < mask_end && !mask[t - start]) t++;
@@ -280,12 +296,14 @@ static inline int64_t next_visible(const uint8_t *mask, int64_t t, int64_t start
 }
 
 static inline __attribute__((always_inline)) void tree_tail(
-    const attn_problem *p, const attn_item *it, attn_scratch *s, int64_t from, int per_head,
+    const attn_problem *p, const attn_item *it, attn_scratch *s, int per_head,
     int64_t head_bytes, int64_t key_bytes, const int32_t *pages, int dtype) {
     const int64_t ps = p->page_size, b = it->b, start = p->mask_start[b];
     const int64_t mask_end = min64(p->kv_lens[b], start + p->mask_width);
     const int groups = it->g1 - it->g0, queries = it->j1 - it->j0;
     for (int64_t jj = 0; jj < queries; jj++) {
+        if (s->tail[(int)jj * groups] == INT64_MAX) continue; /* walked with the others */
+        const int64_t from = max64(s->tail[(int)jj * groups], chunk_start(it->k0, ps));
         const int64_t j = it->j0 + jj;
         const uint8_t *mask = p->custom_mask + (b * p->mask_rows + j) * p->mask_width;
         const int64_t end = min64(it->k1, tree_position(p, b, j, mask_end) + 1);
@@ -326,12 +344,7 @@ static inline __attribute__((always_inline)) void run_item(const attn_problem *p
     const int64_t head_bytes = d_all * elem_size(dtype), key_bytes = p->kv_heads * head_bytes;
     const int32_t *pages = p->page_table + b * p->max_pages;
     load_rows(p, it, s, rows, dtype);
-    /* With a tree mask, the chunk that holds the tree block's first key and everything after
-     * it are walked per query in sequential order (tree_tail). */
-    const int64_t tail = p->custom_mask ? max64(chunk_start(p->mask_start[b], ps),
-                                                chunk_start(it->k0, ps)) : it->k1;
-    const int64_t walk_end = min64(it->k1, tail);
-    for (int64_t t0 = chunk_start(it->k0, ps), t1; t0 < walk_end; t0 = t1) {
+    for (int64_t t0 = chunk_start(it->k0, ps), t1; t0 < it->k1; t0 = t1) {
         const int64_t page = t0 / ps;
         t1 = min64(t0 + LANES, (page + 1) * ps);
         uint32_t any = 0;
@@ -347,8 +360,7 @@ static inline __attribute__((always_inline)) void run_item(const attn_problem *p
                        (const char *)p->v_cache + at, key_bytes, t1 - t0, d_all, dtype, ahead, n2);
         }
     }
-    if (tail < it->k1)
-        tree_tail(p, it, s, tail, per_head, head_bytes, key_bytes, pages, dtype);
+    if (p->custom_mask) tree_tail(p, it, s, per_head, head_bytes, key_bytes, pages, dtype);
     if (it->part < 0) store_rows(p, it, s, rows);
     else save_part(p, it, s, rows);
 }
