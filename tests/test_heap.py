@@ -11,7 +11,7 @@ import textwrap
 def test_freeze_leaves_later_objects_to_the_collector() -> None:
     # In a child: freezing is process-wide and would outlive this test in the pytest process.
     code = textwrap.dedent("""
-        import gc, time
+        import gc
         from tpserve.heap import freeze_startup_heap
         import torch  # a large start-up heap
         frozen = freeze_startup_heap()
@@ -23,13 +23,10 @@ def test_freeze_leaves_later_objects_to_the_collector() -> None:
         a.other, b.other = b, a  # a cycle made after the freeze is still collected
         del a, b
         assert gc.collect() >= 2
-        start = time.perf_counter()
-        gc.collect()
-        print(frozen, time.perf_counter() - start)
+        print(frozen)
     """)
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          timeout=120)
     assert out.returncode == 0, out.stderr
-    frozen, seconds = out.stdout.split()
-    assert int(frozen) > 10_000
+    assert int(out.stdout) > 10_000
     assert gc.get_freeze_count() == 0  # this process untouched

@@ -35,11 +35,16 @@ static int map_rows(const attn_item *it, attn_scratch *s) {
     return r;
 }
 
+/* Query j of masked request b: which keys of its tree block it sees (mask_width bytes). */
+static inline const uint8_t *mask_row(const attn_problem *p, int64_t b, int64_t j) {
+    return p->custom_mask + (b * p->mask_rows + j) * p->mask_width;
+}
+
 /* The logical index sequential decoding gives query j of masked request b: mask_start plus
  * the keys of the tree block it sees, itself included, minus one. */
 static int64_t tree_position(const attn_problem *p, int64_t b, int64_t j, int64_t mask_end) {
     const int64_t start = p->mask_start[b];
-    const uint8_t *row = p->custom_mask + (b * p->mask_rows + j) * p->mask_width;
+    const uint8_t *row = mask_row(p, b, j);
     int64_t seen = 0;
     for (int64_t t = start; t < mask_end; t++) seen += row[t - start] != 0;
     return start + seen - 1;
@@ -53,7 +58,7 @@ static inline int64_t chunk_start(int64_t t, int64_t ps) { return t - (t % ps) %
  * them, and the shared walk already gives plain decoding's bits. */
 static int in_sequence(const attn_problem *p, int64_t b, int64_t j, int64_t mask_end) {
     const int64_t start = p->mask_start[b];
-    const uint8_t *row = p->custom_mask + (b * p->mask_rows + j) * p->mask_width;
+    const uint8_t *row = mask_row(p, b, j);
     int64_t t = start;
     while (t < mask_end && row[t - start]) t++;
     while (t < mask_end && !row[t - start]) t++;
@@ -64,7 +69,7 @@ static void load_rows(const attn_problem *p, const attn_item *it, attn_scratch *
     const int64_t d_all = p->head_dim, group = p->q_heads / p->kv_heads;
     const int64_t q0 = p->q_indptr[it->b], q_len = p->q_indptr[it->b + 1] - q0;
     const int64_t kv = p->kv_lens[it->b];
-    const int64_t mask_end = p->custom_mask ? min64(kv, (int64_t)p->mask_start[it->b] + p->mask_width) : 0;
+    const int64_t mask_end = p->custom_mask ? mask_end_of(p, it->b) : 0;
     for (int r = 0; r < rows; r++) {
         const int64_t at = kv - q_len + s->j[r]; /* the query's logical index */
         const char *src = (const char *)p->q + ((q0 + s->j[r]) * p->q_stride +
@@ -103,7 +108,7 @@ static inline uint32_t row_bits(const attn_problem *p, const attn_scratch *s, in
     uint32_t bits = lane_range(a - t0, e - t0);
     if (p->custom_mask) {
         const int64_t start = p->mask_start[b];
-        const uint8_t *row = p->custom_mask + (b * p->mask_rows + s->j[r]) * p->mask_width;
+        const uint8_t *row = mask_row(p, b, s->j[r]);
         for (int64_t t = max64(a, start); t < e; t++)
             if (!row[t - start]) bits &= ~(1u << (t - t0));
     }
@@ -282,6 +287,12 @@ static inline int64_t slot_offset(const attn_problem *p, const int32_t *pages, i
     return ((int64_t)pages[page] * p->page_size + (t - page * p->page_size)) * key_bytes;
 }
 
+/* The first visible slot of a query's tree block at or after t (mask_end when none). */
+static inline int64_t next_visible(const uint8_t *mask, int64_t t, int64_t start, int64_t mask_end) {
+    while (t < mask_end && !mask[t - start]) t++;
+    return t;
+}
+
 /* The keys from the chunk of the tree block's first key on, for tree (custom mask) queries
  * off the first branch, laid out as sequential decoding lays them out: prefix key t at
  * position t, the i-th visible key of the block at mask_start + i. Lanes follow positions,
@@ -289,23 +300,17 @@ static inline int64_t slot_offset(const attn_problem *p, const int32_t *pages, i
  * token gets when decoded one by one) would otherwise get other bits than plain decoding,
  * and greedy output could change at a near-tie (bf16 demo pair, 4/2/8: 1 of 16 held-out
  * prompts). The chunks are gathered per query (its rows across the group share them). */
-/* The first visible slot of a query's tree block at or after t (mask_end when none). */
-static inline int64_t next_visible(const uint8_t *mask, int64_t t, int64_t start, int64_t mask_end) {
-    while (t < mask_end && !mask[t - start]) t++;
-    return t;
-}
-
 static inline __attribute__((always_inline)) void tree_tail(
     const attn_problem *p, const attn_item *it, attn_scratch *s, int per_head,
     int64_t head_bytes, int64_t key_bytes, const int32_t *pages, int dtype) {
     const int64_t ps = p->page_size, b = it->b, start = p->mask_start[b];
-    const int64_t mask_end = min64(p->kv_lens[b], start + p->mask_width);
+    const int64_t mask_end = mask_end_of(p, b);
     const int groups = it->g1 - it->g0, queries = it->j1 - it->j0;
     for (int64_t jj = 0; jj < queries; jj++) {
         if (s->tail[(int)jj * groups] == INT64_MAX) continue; /* walked with the others */
         const int64_t from = max64(s->tail[(int)jj * groups], chunk_start(it->k0, ps));
         const int64_t j = it->j0 + jj;
-        const uint8_t *mask = p->custom_mask + (b * p->mask_rows + j) * p->mask_width;
+        const uint8_t *mask = mask_row(p, b, j);
         const int64_t end = min64(it->k1, tree_position(p, b, j, mask_end) + 1);
         const int64_t lo = s->lo[(int)jj * groups]; /* the same for every head */
         int64_t cursor = next_visible(mask, start, start, mask_end); /* slot of position start */

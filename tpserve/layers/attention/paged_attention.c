@@ -111,12 +111,17 @@ static void item_shape(const attn_problem *p, int64_t q_len, int64_t *qb, int64_
     }
 }
 
+/* End of masked request b's tree block: the keys a custom mask covers end here. */
+static inline int64_t mask_end_of(const attn_problem *p, int64_t b) {
+    return min64(p->kv_lens[b], (int64_t)p->mask_start[b] + p->mask_width);
+}
+
 /* Keys any of queries [j0, j1) of request b may see: [*lo, *hi). */
 static void key_range(const attn_problem *p, int64_t b, int64_t j0, int64_t j1, int64_t *lo,
                       int64_t *hi) {
     const int64_t kv = p->kv_lens[b], first = kv - (p->q_indptr[b + 1] - p->q_indptr[b]);
     *lo = p->window > 0 ? max64(0, first + j0 - p->window + 1) : 0;
-    *hi = p->custom_mask ? min64(kv, (int64_t)p->mask_start[b] + p->mask_width) : first + j1;
+    *hi = p->custom_mask ? mask_end_of(p, b) : first + j1;
     *hi = max64(*hi, *lo);
 }
 
