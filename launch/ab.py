@@ -26,7 +26,7 @@ from typing import Any
 import httpx
 
 from launch.ab_report import render_table, verdict, write_plot
-from tpserve.bench import DEFAULT_PROMPTS, run_batch
+from tpserve.bench import DEFAULT_PROMPTS, new_client, run_batch
 from tpserve.spec.cost_model import Measurement, fit
 
 
@@ -76,10 +76,11 @@ def apply(url: str, s: Setting, key: str | None) -> None:
 def measure(url: str, s: Setting, args: argparse.Namespace, prompts: list[str]) -> dict[str, Any]:
     apply(url, s, args.api_key)
     batch = [prompts[k % len(prompts)] for k in range(s.concurrency)]
-    for _ in range(args.warmup):
-        run_batch(url, batch, args.max_tokens, 0.0)
-    admin(url, {"reset_stats": True}, args.api_key)
-    runs = [run_batch(url, batch, args.max_tokens, 0.0) for _ in range(args.runs)]
+    with new_client() as client:
+        for _ in range(args.warmup):
+            run_batch(url, batch, args.max_tokens, 0.0, client)
+        admin(url, {"reset_stats": True}, args.api_key)
+        runs = [run_batch(url, batch, args.max_tokens, 0.0, client) for _ in range(args.runs)]
     info = httpx.get(url + "/get_server_info", timeout=60,
                      headers={"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}).json()
     prof = info.get("profile", {})

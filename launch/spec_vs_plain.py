@@ -19,17 +19,19 @@ import json
 import statistics
 from typing import Any
 
-from tpserve.bench import DEFAULT_PROMPTS, run_batch
+import httpx
+
+from tpserve.bench import DEFAULT_PROMPTS, new_client, run_batch
 
 
-def one_round(urls: dict[str, str], conc: int, tokens: int, flip: bool,
+def one_round(client: httpx.Client, urls: dict[str, str], conc: int, tokens: int, flip: bool,
               first: int = 0) -> dict[str, float]:
     """One batch on each server; tok/s per server and, under ``seconds``, the wall times."""
     prompts = [DEFAULT_PROMPTS[(first + k) % len(DEFAULT_PROMPTS)] for k in range(conc)]
     order = list(urls.items())[::-1] if flip else list(urls.items())
     out: dict[str, float] = {}
     for name, url in order:
-        run = run_batch(url, prompts, tokens, 0.0)
+        run = run_batch(url, prompts, tokens, 0.0, client)
         out[name] = run.tokens / run.seconds
         out[f"{name}_tokens"], out[f"{name}_seconds"] = run.tokens, run.seconds
     return out
@@ -57,10 +59,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = ap.parse_args(argv)
     urls = {"plain": args.plain.rstrip("/"), "spec": args.spec.rstrip("/")}
     report: dict[str, Any] = {}
+    client = new_client()
     for conc in (int(c) for c in args.concurrency.split(",")):
         for i in range(args.warmup):
-            one_round(urls, conc, args.max_tokens, i % 2 == 1)
-        rounds = [one_round(urls, conc, args.max_tokens, i % 2 == 1,
+            one_round(client, urls, conc, args.max_tokens, i % 2 == 1)
+        rounds = [one_round(client, urls, conc, args.max_tokens, i % 2 == 1,
                             0 if args.same_prompts else i * conc) for i in range(args.rounds)]
         row = {"plain_tok_s": statistics.median(r["plain"] for r in rounds),
                "spec_tok_s": statistics.median(r["spec"] for r in rounds),
@@ -70,6 +73,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         print(f"c={conc:3d}  plain {row['plain_tok_s']:8.1f} tok/s  spec {row['spec_tok_s']:8.1f}"
               f" tok/s  spec/plain median of rounds {row['ratio_median']:.2f}x, of totals "
               f"{row['ratio_totals']:.2f}x", flush=True)
+    client.close()
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=2)

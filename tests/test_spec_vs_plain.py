@@ -13,7 +13,8 @@ def test_rounds_cycle_prompts_and_report_both_ratios(monkeypatch: pytest.MonkeyP
     calls: list[tuple[str, tuple[str, ...]]] = []
     speed = {"http://plain": 100.0, "http://spec": 150.0}
 
-    def fake_run(url: str, prompts: list[str], tokens: int, temperature: float) -> RunResult:
+    def fake_run(url: str, prompts: list[str], tokens: int, temperature: float,
+                 client: object) -> RunResult:
         calls.append((url, tuple(prompts)))
         slow = 2.0 if prompts[0] == DEFAULT_PROMPTS[1] and url == "http://spec" else 1.0
         return RunResult(tokens * len(prompts), tokens * len(prompts) * slow / speed[url],
