@@ -69,3 +69,33 @@ def test_port_in_use_fails_at_once_with_a_clear_error() -> None:
         assert err.value.flag == "--port"
     finally:
         holder.close()
+
+
+def test_accepted_connections_have_nagle_off() -> None:
+    """asyncio (so uvicorn) turns on TCP_NODELAY only for sockets whose protocol number says
+    TCP; with Nagle on, a response's body waited ~40 ms for the client's delayed ACK."""
+    import asyncio
+
+    listener = bind_listener("127.0.0.1", free_port())
+    port = listener.getsockname()[1]
+    seen: list[int] = []
+
+    class Probe(asyncio.Protocol):
+        def connection_made(self, transport: asyncio.BaseTransport) -> None:
+            sock = transport.get_extra_info("socket")
+            seen.append(sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY))
+            transport.close()
+
+    async def main() -> None:
+        server = await asyncio.get_running_loop().create_server(Probe, sock=listener)
+        _, writer = await asyncio.open_connection("127.0.0.1", port)
+        for _ in range(100):
+            if seen:
+                break
+            await asyncio.sleep(0.01)
+        writer.close()
+        server.close()
+        await server.wait_closed()
+
+    asyncio.run(main())
+    assert seen and seen[0] != 0
