@@ -10,24 +10,26 @@ those into a prediction for settings not measured at a bucket yet: draft cost pe
 verify line through the measured node counts (plain decode is the 1-node point), and the
 acceptance measured at that bucket, continued geometrically past the deepest depth seen.
 
-Three rules keep it honest and calm:
+Four rules keep it honest and calm:
+- settings are compared on the same text: the tokens per request of every speculative
+  setting move with every speculative step, whichever runs (a tree's first branch is what
+  each chain would have accepted; while a chain runs, a tree follows it along a line fitted
+  over the tree's own steps), so no setting is judged by text that has gone;
 - anchors (plain decoding, the launch setting, and the deepest chain when the launch setting
   is a tree) are run for a few steps at each bucket before anything is predicted there;
-  a setting measured at a bucket is then judged by its own step time and, until it has
-  ``trust_requests`` request-steps behind it, a blend of the acceptance model's token count
-  and its own (per-step token counts swing far more than step times), after that by its own
-  measured tok/s alone; an unmeasured one by the cost model alone; and the stalest measured
-  one is re-run for a step every ``refresh_every`` steps so a noisy estimate cannot stick.
-  Why measured wins in the end: on the demo pair the model's geometric acceptance said
-  1/1/2 > 4/1/5 at batch 1 (161 vs 155 tok/s predicted) while the two measured 142 and 185
-  (acceptance right after a stretch of plain steps is not the steady rate), and the
-  chooser sat on the slower one for 330 steps;
-- a challenger replaces the current setting only when predicted ``margin`` faster, and not
-  within ``hold_steps`` of the last switch at the same bucket (hysteresis: no flapping on
-  noise; a new batch size is judged at once: holding batch 1's setting for 16 steps after 7
-  more requests arrived cost the demo pair ~20% of each 8-client burst; and a setting chosen
-  on the model's word alone may be left once measured ``explore_steps`` times); speculation
-  must also be predicted ``margin`` faster than plain decoding to be chosen at all;
+  a setting measured at a bucket is then judged by its own step time and, until
+  ``trust_requests`` request-steps of tokens are behind it, a blend with the acceptance
+  model's token count; an unmeasured one by the cost model alone; and the stalest measured
+  one is re-measured every ``refresh_every`` steps, its time window starting again, for up
+  to ``explore_steps`` steps while it looks faster (a probe: not a switch, never held), so
+  a setting timed in a slow stretch of the machine (its speed swings ~2x) is not buried;
+- a challenger replaces the current setting only when predicted ``margin`` faster (the
+  launch setting: ``launch_margin``), and not within ``hold_steps`` of the last switch at
+  the same bucket (hysteresis: no flapping on noise; a new batch size is judged at once:
+  holding batch 1's setting for 16 steps after 7 more requests arrived cost the demo pair
+  ~20% of each 8-client burst; and a setting chosen on the model's word alone may be left
+  once measured ``explore_steps`` times); speculation must also be predicted ``margin``
+  faster than plain decoding to be chosen at all;
 - candidates are only settings whose KV lookahead was reserved at launch, and when forwards
   are captured or compiled per shape, only the captured shape (or plain decoding).
 """
@@ -64,11 +66,14 @@ OFF = Setting(0, 1, 1)
 @dataclass(frozen=True)
 class AdaptiveConfig:
     margin: float = 0.05  # a challenger must be predicted this much faster
+    launch_margin: float = 0.15  # and this much faster than the launch setting
     hold_steps: int = 16  # steps between two switches made on predictions
+    decide_every: int = 4  # steps between two judgements of a settled setting
     explore_steps: int = 3  # steps each anchor runs at a bucket before predictions there
     refresh_every: int = 256  # steps at a bucket between one-step re-measurements of anchors
     alpha: float = 0.2  # weight of a new measurement in the moving averages (times)
     tokens_alpha: float = 0.02  # the same for tokens per step, which swing far more
+    fit_alpha: float = 0.005  # weight of a tree step in its line through the chain's tokens
     trust_requests: float = 256.0  # request-steps after which measured tok/s alone counts
     accept_decay: float = 0.99  # per verified tree: acceptance follows the current traffic
     follow_slack: float = 0.10  # new requests are followed unless plain is this much faster
@@ -85,6 +90,31 @@ class Ema:
         self.count += 1
         weight = max(alpha, 1.0 / self.count)
         self.value = (1 - weight) * self.value + weight * x
+
+
+@dataclass
+class LineFit:
+    """Least-squares line y = a + b x over (x, y) pairs, a running mean of the moments for
+    the first 1/alpha pairs and a moving one after (like ``Ema``)."""
+
+    count: int = 0
+    x: float = 0.0
+    y: float = 0.0
+    xx: float = 0.0
+    xy: float = 0.0
+
+    def add(self, x: float, y: float, alpha: float) -> None:
+        self.count += 1
+        w = max(alpha, 1.0 / self.count)
+        self.x += w * (x - self.x)
+        self.y += w * (y - self.y)
+        self.xx += w * (x * x - self.xx)
+        self.xy += w * (x * y - self.xy)
+
+    def at(self, x: float) -> float:
+        var = self.xx - self.x ** 2
+        slope = (self.xy - self.x * self.y) / var if var > 1e-6 else 1.0
+        return self.y + slope * (x - self.x)
 
 
 @dataclass
@@ -107,7 +137,8 @@ class Costs:
 
     @property
     def tok_s(self) -> float:
-        # A ratio of means: a mean of per-step ratios would favour lucky fast steps.
+        """What this setting's own steps delivered (a ratio of means: a mean of per-step
+        ratios would favour lucky fast steps)."""
         return 1e3 * self.tokens.value / max(self.window_ms.value, 1e-6)
 
     @property
@@ -125,15 +156,15 @@ class Acceptance:
     tries: list[float] = field(default_factory=list)
     hits: list[float] = field(default_factory=list)
 
-    def add(self, accepted: list[Accepted], depth: int, decay: float) -> None:
+    def add(self, drafts: list[int], depth: int, decay: float) -> None:
+        """``drafts``: per request, the drafts accepted out of ``depth``."""
         grow = max(0, depth - len(self.tries))
         self.tries += [0.0] * grow
         self.hits += [0.0] * grow
-        for acc in accepted:
-            drafts = len(acc.nodes) - 1
-            for d in range(min(depth, drafts + 1)):
+        for got in drafts:
+            for d in range(min(depth, got + 1)):
                 self.tries[d] = self.tries[d] * decay + 1
-                self.hits[d] = self.hits[d] * decay + (1.0 if drafts > d else 0.0)
+                self.hits[d] = self.hits[d] * decay + (1.0 if got > d else 0.0)
 
     @property
     def trees(self) -> float:
@@ -166,6 +197,7 @@ class AdaptiveChooser:
                  cfg: AdaptiveConfig | None = None) -> None:
         self.cfg = cfg or AdaptiveConfig()
         self.launch, self.allowed = launch, allowed
+        self.chains = [s for s in allowed if s.topk == 1 and not s.off]
         deepest = Setting(launch.steps, 1, launch.steps + 1)
         self.anchors = [OFF, launch] + ([deepest] if deepest in allowed and deepest != launch
                                         else [])
@@ -179,11 +211,22 @@ class AdaptiveChooser:
         # Acceptance per (bucket, topk): the requests in flight at one concurrency are not
         # those at another, and how well a draft does depends a lot on the text.
         self.accept: dict[tuple[int, int], Acceptance] = {}
+        # Tokens per request each speculative setting appends on the text in flight, per
+        # bucket, moved by every speculative step whichever setting runs (see
+        # ``observe_accepts``); and per (bucket, tree, chain) the tree's tokens per request
+        # as a line through the chain's read off its first branch, over the tree's steps.
+        self.per_request: dict[tuple[int, Setting], Ema] = {}
+        self.paired: dict[tuple[int, Setting, Setting], LineFit] = {}
         self.current = self.launch
         self.steps = 0
         self.last_switch = 0
         self.switch_bucket: int | None = None  # the bucket the last switch was made at
         self.forced = False  # the current OFF was forced (step_aside), not chosen
+        # While a setting is re-measured (``_explore``), the one in force before: the
+        # re-measurement is not a switch and is never held.
+        self.probe_from: Setting | None = None
+        self.decided_at: tuple[int, Setting] | None = None  # bucket and setting last judged
+        self.decided_step = 0
         self.trial = False  # the current setting was unmeasured at this bucket when chosen
         self.switches = 0
         # Predictions per bucket, dropped whenever that bucket gets a measurement: a step
@@ -205,17 +248,60 @@ class AdaptiveChooser:
         cost.forward_ms.add(forward_ms, alpha)
         cost.draft_ms.add(draft_ms, alpha)
         cost.tokens.add(float(tokens), self.cfg.tokens_alpha)
+        if not setting.off:
+            self._per_request(bucket_of(batch), setting).add(tokens / max(batch, 1),
+                                                             self.cfg.tokens_alpha)
         cost.requests.add(float(batch), self.cfg.tokens_alpha)
         cost.window_ms.add(step_ms, self.cfg.tokens_alpha)
         cost.window_draft_ms.add(draft_ms, self.cfg.tokens_alpha)
         cost.last_step = self.steps
 
     def observe_accepts(self, setting: Setting, accepted: list[Accepted]) -> None:
-        """The accepted paths of one speculative step (its batch is ``len(accepted)``)."""
-        key = (bucket_of(len(accepted)), setting.topk)
-        self._forget_predictions(key[0])
-        self.accept.setdefault(key, Acceptance()).add(accepted, setting.steps,
-                                                      self.cfg.accept_decay)
+        """The accepted paths of one speculative step (its batch is ``len(accepted)``).
+
+        A tree's paths also say what each chain would have accepted on the same text (its
+        first branch is the chain's drafts): chains are judged on the text in flight while
+        the tree runs. Judged only by what they got when they last ran, the demo pair's
+        chooser left the tree whenever the text turned hard (the tree's rate fell, the
+        chain's stayed at its easy-text value) and then sat on the chain through the hard
+        text, where the tree's second branch pays: 5-8% below the tree pinned (batch 1)."""
+        bucket = bucket_of(len(accepted))
+        self._forget_predictions(bucket)
+        decay = self.cfg.accept_decay
+        drafts = [len(a.nodes) - 1 for a in accepted]
+        self.accept.setdefault((bucket, setting.topk), Acceptance()).add(
+            drafts, setting.steps, decay)
+        got = 1 + sum(drafts) / len(drafts)  # tokens per request
+        branches = drafts if setting.topk == 1 else [
+            a.first_branch for a in accepted if a.first_branch is not None]
+        if len(branches) < len(accepted):
+            return
+        if setting.topk > 1:
+            self.accept.setdefault((bucket, 1), Acceptance()).add(branches, setting.steps,
+                                                                  decay)
+        for chain in self.chains:  # a shallower chain's drafts are a prefix of the branch
+            if chain.steps > setting.steps or chain == setting:
+                continue
+            chain_got = 1 + sum(min(b, chain.steps) for b in branches) / len(branches)
+            self._per_request(bucket, chain).add(chain_got, self.cfg.tokens_alpha)
+            if setting.topk > 1:
+                self.paired.setdefault((bucket, setting, chain), LineFit()).add(
+                    chain_got, got, self.cfg.fit_alpha)
+        if setting.topk == 1:
+            self._follow_trees(bucket, setting, got)
+
+    def _follow_trees(self, bucket: int, chain: Setting, got: float) -> None:
+        """While ``chain`` runs, each tree measured here follows the text through it: its
+        tokens per request read off the line fitted over its own steps (tree's against the
+        chain's on its first branch; on hard text the tree's second branch adds more, so a
+        line, not a ratio). Every setting's figure then moves on the same steps: an
+        estimate left at the text it last ran on is what misled."""
+        for (b, tree, paired_chain), fit in self.paired.items():
+            if b == bucket and paired_chain == chain:
+                self._per_request(bucket, tree).add(fit.at(got), self.cfg.tokens_alpha)
+
+    def _per_request(self, bucket: int, setting: Setting) -> Ema:
+        return self.per_request.setdefault((bucket, setting), Ema())
 
     # ---- prediction ----
 
@@ -266,9 +352,12 @@ class AdaptiveChooser:
         if model is None:
             return None
         if cost is not None:  # measured here: its own step time, acceptance blended
-            modeled = cost.request_tok_s * model.accept_length(setting.steps)
-            trust = min(1.0, cost.tokens.count * cost.requests.value / self.cfg.trust_requests)
-            return trust * cost.tok_s + (1 - trust) * modeled
+            rate = cost.request_tok_s
+            modeled = rate * model.accept_length(setting.steps)
+            # Trusted after enough request-steps of the text in flight, whichever ran them.
+            tokens = self._per_request(bucket, setting)
+            trust = min(1.0, tokens.count * cost.requests.value / self.cfg.trust_requests)
+            return trust * rate * tokens.value + (1 - trust) * modeled
         seen = self.costs[bucket][OFF].requests.value  # model() needs plain measured here
         return model.tok_s(setting.steps, setting.tokens, round(seen) or 1)
 
@@ -278,8 +367,7 @@ class AdaptiveChooser:
         """The setting for the next decode step over ``batch`` requests."""
         self.steps += 1
         bucket = self.last_bucket = bucket_of(batch)
-        table = self.costs.get(bucket, {})
-        pick = self._explore(table)
+        pick = self._explore(bucket)
         if pick is None:
             pick = self._exploit(bucket)
         self.current = pick
@@ -313,15 +401,16 @@ class AdaptiveChooser:
         a choice: the next one is free of the hold."""
         self.steps += 1
         self.last_bucket = bucket_of(batch)
-        self.current, self.forced = OFF, True
+        self.current, self.forced, self.probe_from = OFF, True, None
         return OFF
 
-    def _explore(self, table: dict[Setting, Costs]) -> Setting | None:
+    def _explore(self, bucket: int) -> Setting | None:
         """An anchor that still needs (re-)measuring at this bucket, else None. Once plain
         decoding and one speculative anchor are measured, the other speculative anchors are
         skipped where that one delivered under ``skip_below`` of plain's tok/s: each of their
         steps costs several plain ones (demo pair, 8 clients: 33-43 ms against 5 ms), and a
         short burst of load pays the whole exploration."""
+        table = self.costs.get(bucket, {})
         measured = {a: c for a, c in table.items() if c.step_ms.count >= self.cfg.explore_steps}
         plain = measured.get(OFF)
         spec = [c.tok_s for a, c in measured.items() if not a.off]
@@ -330,14 +419,30 @@ class AdaptiveChooser:
         need = [a for a in self.anchors if a not in measured and not (hopeless and not a.off)]
         if need:
             return self.current if self.current in need else need[0]
-        # Every setting measured here is re-measured now and then (a noisy first measurement
-        # must not bury a setting for good), anchors included.
+        # Every setting measured here is re-measured now and then, anchors included, and its
+        # time window starts again from that step: one step added to a 50-step average
+        # moved it by 2%, so a setting timed in a slow stretch of the machine stayed buried
+        # (the demo pair's tree at 7.4 ms a step against its usual 5.4, 374 tok/s to a
+        # chain's 608, for good). Its tokens per request need no restart: every
+        # speculative step moves them (see ``observe_accepts``).
         stale = min(table, key=lambda s: table[s].last_step)
-        if self.steps - table[stale].last_step > self.cfg.refresh_every:
-            return stale
-        return None
+        if (self.probe_from is not None
+                or self.steps - table[stale].last_step <= self.cfg.refresh_every):
+            return None
+        cost = table[stale]
+        cost.window_ms, cost.window_draft_ms, cost.requests = Ema(), Ema(), Ema()
+        if stale != self.current:
+            self.probe_from = self.current
+        return stale
 
     def _exploit(self, bucket: int) -> Setting:
+        settled = (not self.forced and not self.trial and self.probe_from is None
+                   and self.decided_at == (bucket, self.current))
+        if settled and self.steps - self.decided_step < self.cfg.decide_every:
+            # Predicting every setting costs ~70 us of Python a step (a 4/2/8 step is ~5 ms
+            # at batch 1); settings do not change faster than every few steps anyway.
+            return self.current
+        self.decided_at, self.decided_step = (bucket, self.current), self.steps
         preds = {s: p for s in self.allowed if (p := self.predict(bucket, s)) is not None}
         if not preds:
             return self.current
@@ -345,10 +450,20 @@ class AdaptiveChooser:
             # Speculation has to earn its place: it costs memory, draft work and a batch's
             # mixing of prompt chunks, so near a tie plain decoding wins.
             preds[OFF] *= 1 + self.cfg.margin
+        if self.launch in preds:
+            # Among speculative settings the launch one (chosen by measurement, or by the
+            # user) is left only for a clear gain: settings measured in different moments of
+            # a machine whose speed swings ~2x differ by more than 5% on noise alone, and on
+            # the demo pair each such switch at batch 1 lost to the launch tree pinned.
+            preds[self.launch] *= 1 + self.cfg.launch_margin
+        table = self.costs.get(bucket, {})
+        if self.probe_from is not None:
+            if self._probing(table, preds):
+                return self.current
+            self.current, self.probe_from = self.probe_from, None
         best = max(preds, key=lambda s: preds[s])
         now = preds.get(self.current)
         forced, self.forced = self.forced, False
-        table = self.costs.get(bucket, {})
         tried = self.trial and self.current in table and (
             table[self.current].step_ms.count >= self.cfg.explore_steps)
         free = (forced or tried or self.switch_bucket not in (None, bucket)
@@ -364,6 +479,17 @@ class AdaptiveChooser:
         self.trial = best not in table
         self.switches += 1
         return best
+
+    def _probing(self, table: dict[Setting, Costs], preds: dict[Setting, float]) -> bool:
+        """Whether the setting being re-measured runs another step: while it has fewer than
+        ``explore_steps`` steps timed since the re-measurement began and is predicted
+        ``margin`` faster than the setting in force (one step timed on a machine this noisy
+        is no grounds to switch, and one that looks slower is left at once)."""
+        probed, home = self.current, self.probe_from
+        timed = table[probed].window_ms.count if probed in table else 0
+        if timed >= self.cfg.explore_steps or probed not in preds or home not in preds:
+            return False
+        return preds[probed] > preds[home] * (1 + self.cfg.margin)
 
     def snapshot(self) -> dict[str, Any]:
         bucket = self.last_bucket

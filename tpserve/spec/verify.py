@@ -28,6 +28,24 @@ from tpserve.layers.fused import greedy_logprob
 class Accepted:
     nodes: list[int]  # accepted path, starting with the root (node 0)
     tokens: list[int]  # tokens appended: accepted draft tokens then the bonus token
+    # Leading accepted drafts that were each their parent's first child: what a chain
+    # drafting only the top token per depth would have accepted on this text (children are
+    # proposed best first). None: not known (the chain's is its own path).
+    first_branch: int | None = None
+
+
+def first_branch(path: list[int], parents: list[int]) -> int:
+    """How many of ``path``'s drafts (after the root) lie on the first-child branch."""
+    first: dict[int, int] = {}
+    for node, parent in enumerate(parents):
+        if parent >= 0:
+            first.setdefault(parent, node)  # nodes are in proposal order
+    count = 0
+    for parent, child in zip(path, path[1:]):
+        if first.get(parent) != child:
+            break
+        count += 1
+    return count
 
 
 @dataclass(frozen=True)
@@ -53,7 +71,8 @@ def greedy_path(tokens: list[int], parents: list[int], best: list[int]) -> Accep
     while True:
         hit = next((c for c in kids[node] if tokens[c] == best[node]), None)
         if hit is None:
-            return Accepted(path, [tokens[n] for n in path[1:]] + [best[node]])
+            return Accepted(path, [tokens[n] for n in path[1:]] + [best[node]],
+                            first_branch(path, parents))
         node = hit
         path.append(node)
 
@@ -182,7 +201,8 @@ def _accept_sampled_rows(tokens: torch.Tensor, parents: torch.Tensor, probs: tor
     walks = [walk_sampled([int(t) for t in host[3][s]], [int(p) for p in host[4][s]],
                           host[0][s], host[1][s], host[2][s]) for s in range(batch)]
     bonus = _draw_bonus(probs, walks, generators)
-    return [Accepted(w.path, [int(host[3][s][i]) for i in w.path[1:]] + [bonus[s]])
+    return [Accepted(w.path, [int(host[3][s][i]) for i in w.path[1:]] + [bonus[s]],
+                     first_branch(w.path, [int(p) for p in host[4][s]]))
             for s, w in enumerate(walks)]
 
 
