@@ -140,8 +140,9 @@ def test_reset_forgets_every_measurement() -> None:
 
 def test_new_requests_are_followed_where_speculation_may_pay() -> None:
     """Where plain decoding measured clearly faster, new requests are not followed (they
-    would pay for feeding the draft and never speculate), except when a speculative setting
-    is due for re-measurement there; unmeasured batch sizes are always followed."""
+    would pay for feeding the draft and never speculate), except when speculation there has
+    not been measured for ``refollow_every`` steps; unmeasured batch sizes are always
+    followed."""
     allowed = candidates(TREE, 8, shapes_fixed=False)
     chooser = AdaptiveChooser(TREE, allowed)
     rng = random.Random(1)
@@ -150,7 +151,9 @@ def test_new_requests_are_followed_where_speculation_may_pay() -> None:
     drive(chooser, 16, 100, rng)
     assert chooser.worth_following(1)  # speculation wins at batch 1 on the fake machine
     assert not chooser.worth_following(16) and not chooser.worth_following(12)
-    drive(chooser, 1, chooser.cfg.refresh_every + 1, rng)  # batch 16's spec data grow stale
+    drive(chooser, 1, chooser.cfg.refresh_every + 1, rng)  # a refresh is due, not a refollow
+    assert not chooser.worth_following(16)
+    drive(chooser, 1, chooser.cfg.refollow_every, rng)  # batch 16's spec data grow stale
     assert chooser.worth_following(16)
 
 
@@ -515,26 +518,31 @@ def test_prompt_steps_count_against_the_setting_that_runs() -> None:
     assert driver.carry == 0.0  # pinned settings: nothing is charged later
 
 
-@pytest.mark.parametrize("feed_ms", [0.0, 6.0])
-def test_following_is_judged_against_unfollowed_plain_decoding(feed_ms: float) -> None:
+@pytest.mark.parametrize(("feed_ms", "plain_ms", "follow"),
+                         [(0.0, 18.0, True), (6.0, 18.0, False), (0.0, 15.0, False)])
+def test_following_is_judged_against_unfollowed_plain_decoding(feed_ms: float, plain_ms: float,
+                                                               follow: bool) -> None:
     """Plain steps that feed the draft cost more than plain decoding without it (18 ms here,
     6 of them feeding): speculation (~480 tok/s at batch 8 on the fake machine) beats the fed
     plain steps (444) but not plain decoding unfollowed (667), so new requests are not
-    followed. Where the same 18 ms is all target forward, following pays."""
+    followed. Where the same 18 ms is all target forward, following pays; where plain steps
+    take 15 ms (533 tok/s), the best speculative setting (~514) is short of the margin it
+    needs to be chosen, and following would only feed the draft through plain steps (the
+    old 10% slack followed there)."""
     allowed = candidates(TREE, 8, shapes_fixed=False)
     chooser = AdaptiveChooser(TREE, allowed)
     rng = random.Random(6)
     for _ in range(200):
         s = chooser.choose(8)
         if s.off:
-            chooser.observe(s, 8, 18.0, 18.0 - feed_ms, feed_ms, 8)
+            chooser.observe(s, 8, plain_ms, plain_ms - feed_ms, feed_ms, 8)
             continue
         accs = accepted(s, 8, rng)
         ms = true_step_ms(s, 8) - 0.5 * 8 + 18.0 - 8.0  # the same plain forward inside
         draft = s.steps * (1.5 + 0.6 * 8 * s.topk)
         chooser.observe(s, 8, ms, ms - draft, draft, 8 + sum(len(a.nodes) - 1 for a in accs))
         chooser.observe_accepts(s, accs)
-    assert chooser.worth_following(8) is (feed_ms == 0.0), chooser.snapshot()
+    assert chooser.worth_following(8) is follow, chooser.snapshot()
 
 
 def test_a_shrinking_batch_does_not_inflate_a_measured_rate() -> None:
