@@ -72,6 +72,7 @@ class AdaptiveConfig:
     explore_steps: int = 3  # steps each anchor runs at a bucket before predictions there
     refresh_every: int = 256  # steps at a bucket between one-step re-measurements of anchors
     refollow_every: int = 4096  # steps after which new requests are followed to re-measure
+    refresh_within: float = 0.25  # settings this close to the best are re-measured sooner
     alpha: float = 0.2  # weight of a new measurement in the moving averages (times)
     tokens_alpha: float = 0.02  # the same for tokens per step, which swing far more
     fit_alpha: float = 0.005  # weight of a tree step in its line through the chain's tokens
@@ -226,6 +227,7 @@ class AdaptiveChooser:
         # re-measurement is not a switch and is never held.
         self.probe_from: Setting | None = None
         self.decided_at: tuple[int, Setting] | None = None  # bucket and setting last judged
+        self._follow: dict[int, tuple[int, bool]] = {}  # per bucket: step, worth_following
         self.decided_step = 0
         self.trial = False  # the current setting was unmeasured at this bucket when chosen
         self.switches = 0
@@ -380,6 +382,14 @@ class AdaptiveChooser:
         speculates, but costs nothing (a followed one pays for its auxiliary states and
         deferred draft rows until it is let go: 15-35% of a plain step)."""
         bucket = bucket_of(batch)
+        known = self._follow.get(bucket)
+        if known is not None and self.steps - known[0] < self.cfg.decide_every:
+            return known[1]  # asked every plain step; predicting every setting is ~70 us
+        follow = self._worth_following(bucket)
+        self._follow[bucket] = (self.steps, follow)
+        return follow
+
+    def _worth_following(self, bucket: int) -> bool:
         table = self.costs.get(bucket, {})
         off = table.get(OFF)
         spec = [p for s in self.allowed if not s.off
@@ -402,7 +412,7 @@ class AdaptiveChooser:
         # (4/1/5 at 0.98x of plain there) through steps the chooser kept plain, ~1 ms each.
         unfollowed = 1e3 * off.requests.value / max(
             off.window_ms.value - off.window_draft_ms.value, 1e-6)
-        return stale or max(spec) >= unfollowed * (1 + self.cfg.margin)
+        return stale or max(spec) >= unfollowed * (1 + self.plain_margin(bucket))
 
     def step_aside(self, batch: int) -> Setting:
         """The next step must decode plainly (the draft does not follow every request). Not
@@ -437,11 +447,29 @@ class AdaptiveChooser:
         if (self.probe_from is not None
                 or self.steps - table[stale].last_step <= self.cfg.refresh_every):
             return None
+        due = [s for s in table
+               if self.steps - table[s].last_step > self._refresh_interval(bucket, s)]
+        if not due:
+            return None
+        stale = min(due, key=lambda s: table[s].last_step)
         cost = table[stale]
         cost.window_ms, cost.window_draft_ms, cost.requests = Ema(), Ema(), Ema()
         if stale != self.current:
             self.probe_from = self.current
         return stale
+
+    def _refresh_interval(self, bucket: int, setting: Setting) -> int:
+        """Steps between re-measurements of ``setting``: ``refresh_every`` while it is
+        predicted within ``refresh_within`` of the best here, else ``refollow_every``. A
+        speculative step at 8 clients costs 3-4 plain ones and hands its requests different
+        token counts, so the burst's last ones finish alone; re-measuring 4/2/8 there (0.66x
+        of plain) every 256 steps cost the demo pair ~8 extra small-batch steps a burst."""
+        preds = [p for s in self.costs.get(bucket, {})
+                 if (p := self.predict(bucket, s)) is not None]
+        mine = self.predict(bucket, setting)
+        if mine is None or not preds or mine >= max(preds) * (1 - self.cfg.refresh_within):
+            return self.cfg.refresh_every
+        return self.cfg.refollow_every
 
     def _exploit(self, bucket: int) -> Setting:
         settled = (not self.forced and not self.trial and self.probe_from is None
@@ -455,9 +483,7 @@ class AdaptiveChooser:
         if not preds:
             return self.current
         if OFF in preds:
-            # Speculation has to earn its place: it costs memory, draft work and a batch's
-            # mixing of prompt chunks, so near a tie plain decoding wins.
-            preds[OFF] *= 1 + self.cfg.margin
+            preds[OFF] *= 1 + self.plain_margin(bucket)
         if self.launch in preds:
             # Among speculative settings the launch one (chosen by measurement, or by the
             # user) is left only for a clear gain: settings measured in different moments of
@@ -487,6 +513,17 @@ class AdaptiveChooser:
         self.trial = best not in table
         self.switches += 1
         return best
+
+    def plain_margin(self, bucket: int) -> float:
+        """How much faster than plain decoding speculation must be predicted at ``bucket``.
+
+        It has to earn its place: it costs memory, draft work and a batch's mixing of prompt
+        chunks, so near a tie plain decoding wins; and more so the larger the batch, because
+        speculating requests advance at their own acceptance (2.4 to 4.9 tokens a step on
+        the demo prompts) and the slowest one sets when a burst ends: at 8 clients the demo
+        pair ran 4/1/5 at 0.92x of plain's rate per step and finished the burst's last
+        request at ~0.65x, then ran the stragglers at small batches (margin x (1 + log2 B))."""
+        return self.cfg.margin * bucket.bit_length()
 
     def _probing(self, table: dict[Setting, Costs], preds: dict[Setting, float]) -> bool:
         """Whether the setting being re-measured runs another step: while it has fewer than
