@@ -35,7 +35,7 @@ def test_the_http_client_creates_requests_on_the_engines_device(
         monkeypatch: pytest.MonkeyPatch) -> None:
     seen: list[Any] = []
 
-    def record(*args: Any) -> None:
+    def record(*args: Any, **kwargs: Any) -> None:
         seen.append(args[-1])
         raise RuntimeError("stop here")
 

@@ -59,7 +59,10 @@ def _check_finish(req: Request, token: int, context_length: int) -> None:
 
 
 def emit_progress(req: Request) -> None:
-    """Send what is new since the last event (holding back a possible stop-string prefix)."""
+    """Send what is new since the last event (holding back a possible stop-string prefix);
+    for a request that is not streamed, only its first event and its final one."""
+    if not req.stream and not req.finished and req.streamed_ids:
+        return
     visible = len(req.text) if req.finished else len(req.text) - req.stop.held
     new_text = req.text[req.streamed_text : visible]
     new_ids = req.output_ids[req.streamed_ids :]

@@ -40,6 +40,11 @@ class Request:
     stop: StopChecker
     emit: Callable[[RequestOutput], None]
     eos_ids: frozenset[int] = frozenset()
+    # False (a collected, not streamed, request): only the first token's event and the final
+    # one are emitted. Each event wakes the HTTP thread, which then competes with the ranks
+    # for the GIL and the cores: on the 2-core dev VM, per-token events cost a TP=2 batch-1
+    # non-streamed request 7-9% of its tok/s (SGLang also sends non-streamed requests once).
+    stream: bool = True
     output_ids: list[int] = field(default_factory=list)
     pages: list[int] = field(default_factory=list)
     num_cached: int = 0  # tokens whose KV is in the cache
@@ -92,7 +97,7 @@ class Request:
 def new_request(rid: str, prompt: list[int], params: SamplingParams, tokenizer: Tokenizer,
                 eos_ids: frozenset[int], fallback_seed: int,
                 emit: Callable[[RequestOutput], None],
-                device: torch.device | str = "cpu") -> Request:
+                device: torch.device | str = "cpu", stream: bool = True) -> Request:
     """A request with its own RNG (``params.seed``, else ``fallback_seed``), detokenizer and stops.
 
     The generator lives on ``device``, the engine's: sampling draws on the logits' device, and
@@ -102,4 +107,4 @@ def new_request(rid: str, prompt: list[int], params: SamplingParams, tokenizer: 
         rid=rid, prompt_ids=list(prompt), params=params,
         generator=make_generator(params.seed, fallback_seed, device),
         detok=IncrementalDetokenizer(tokenizer, params.skip_special_tokens, prompt),
-        stop=StopChecker(params.stop), eos_ids=eos_ids, emit=emit)
+        stop=StopChecker(params.stop), eos_ids=eos_ids, emit=emit, stream=stream)

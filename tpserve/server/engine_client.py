@@ -13,6 +13,7 @@ labels (client ``rid``s, see ``labels``) until it is released.
 from __future__ import annotations
 
 import asyncio
+import functools
 import itertools
 import time
 from collections.abc import AsyncIterator, Mapping
@@ -151,8 +152,10 @@ class EngineClient:
                 for i in range(params.n)]
 
     async def generate(self, ids: list[int], params: SamplingParams,
-                       label: str | None = None) -> AsyncIterator[RequestOutput]:
-        """Submit one request and yield its output events; aborts it if the caller goes away.
+                       label: str | None = None, stream: bool = True
+                       ) -> AsyncIterator[RequestOutput]:
+        """Submit one request and yield its output events (without ``stream``, only the first
+        token's and the final one); aborts it if the caller goes away.
 
         The caller holds an ``Admission`` for it and its ``label`` (see ``admit``); the
         engine request gets a fresh id of its own.
@@ -162,7 +165,7 @@ class EngineClient:
         last: RequestOutput | None = None
         try:
             events = EventMailbox()
-            req = await self._new_request(rid, ids, params, events)
+            req = await self._new_request(rid, ids, params, events, stream)
             self.engine.submit(Command("add", req))
             while True:
                 last = await events.get()
@@ -182,15 +185,16 @@ class EngineClient:
                               len(last.output_ids) if last else 0)
 
     async def _new_request(self, rid: str, ids: list[int], params: SamplingParams,
-                           events: EventMailbox) -> Request:
+                           events: EventMailbox, stream: bool) -> Request:
         loop = asyncio.get_running_loop()
         args = (rid, ids, params, self.tokenizer, self.eos_ids,
                 self.limits.server_seed + next(self._counter),
                 lambda out: _deliver(loop, events, out), self.engine.device)
+        make = functools.partial(new_request, stream=stream)
         stop_chars = sum(len(s) for s in params.stop)
         if stop_chars <= STOP_CHARS_INLINE:
-            return new_request(*args)
-        return await self.encoder.run(stop_chars, new_request, *args)
+            return make(*args)
+        return await self.encoder.run(stop_chars, make, *args)
 
     def abort_label(self, label: str) -> bool:
         """Abort every engine request running under ``label``; False when none is."""

@@ -24,7 +24,7 @@ T = TypeVar("T")
 
 async def collect(client: EngineClient, item: Item) -> RequestOutput:
     last = None
-    async for out in client.generate(*item):
+    async for out in client.generate(*item, stream=False):
         last = out
     assert last is not None, "generate() always ends with a finished event"
     return last
