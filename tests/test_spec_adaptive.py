@@ -310,6 +310,38 @@ def test_a_long_stretch_aside_lets_requests_go(demo_ref: tuple[list, list]) -> N
     assert stats["steps"] > spec_steps and stats["avg_accept_length"] > 2.0, stats
 
 
+def test_requests_are_let_go_at_once_where_the_chooser_finds_following_not_worth_it(
+        demo_ref: tuple[list, list]) -> None:
+    """When the chooser drives speculation and finds following not worth it at the coming
+    batch size (``Engine._release``), a followed request stepping aside is let go at its
+    first plain step instead of after MAX_DEFERRED deferred tokens. Outputs never change."""
+    prompts, ref = demo_ref
+    spec = demo_spec(speculative_adaptive="off")
+    engine, decoder = spec.engine, spec.spec
+    engine._release = lambda: not decoder.enabled  # what such a chooser says while aside
+    spy = AuxSpy(spec.built.runner)
+    sink: dict = {}
+    reqs = [spec.request(p, DEMO_PARAMS, sink) for p in prompts[:2]]
+    for req in reqs:
+        engine.scheduler.add(req)
+    held: list[int] = []  # per plain step after the switch: rows the requests still hold
+
+    inner = engine.step
+
+    def step(batch):  # type: ignore[no-untyped-def]
+        inner(batch)
+        if not decoder.enabled:
+            held.append(sum(len(decoder.drafter.pending.get(id(r), ())) for r in reqs))
+
+    engine.step = step
+    run_steps(engine, {4: {"speculative": {"enabled": False}}})
+    stats = decoder.snapshot()
+    spec.close()
+    assert [sink[r.rid].output_ids for r in reqs] == ref[:2]
+    assert held and held[0] == 0 and not any(held), held  # let go at the first plain step
+    assert stats["steps"] >= 1 and not any(spy.calls[-3:]), spy.calls  # no aux states after
+
+
 def test_a_long_stretch_aside_keeps_requests_where_following_pays(
         demo_ref: tuple[list, list]) -> None:
     """Where the chooser still expects to speculate at the batch size (following pays), a

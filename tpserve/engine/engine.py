@@ -165,6 +165,14 @@ class Engine:
         return (adaptive is not None and adaptive.on
                 and adaptive.chooser.worth_following(self._upcoming()))
 
+    def _release(self) -> bool:
+        """Whether followed requests stepping aside are let go at once: the chooser drives
+        speculation and does not find following worth it at the coming batch size (pinned
+        settings keep them for ``MAX_DEFERRED`` tokens, so a short stretch off stays cheap)."""
+        adaptive = self.adaptive
+        return (not self.follow_new and adaptive is not None and adaptive.on
+                and self.spec is not None and not self.spec.enabled)
+
     def _upcoming(self) -> int:
         """The batch once waiting requests are admitted (what the next settings are for)."""
         sched = self.scheduler
@@ -221,7 +229,8 @@ class Engine:
         msg = self.scheduler.plan(batch)
         if self.spec is not None:
             msg = replace(msg, feed=self.spec.draft_feed(batch.requests, self._live(),
-                                                          batch.q_lens, self.follow_new))
+                                                          batch.q_lens, self.follow_new,
+                                                          self._release()))
         with prof.phase("control"):
             self.broadcast(msg)
         with self._phase(batch.kind):
