@@ -59,21 +59,20 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = ap.parse_args(argv)
     urls = {"plain": args.plain.rstrip("/"), "spec": args.spec.rstrip("/")}
     report: dict[str, Any] = {}
-    client = new_client()
-    for conc in (int(c) for c in args.concurrency.split(",")):
-        for i in range(args.warmup):
-            one_round(client, urls, conc, args.max_tokens, i % 2 == 1)
-        rounds = [one_round(client, urls, conc, args.max_tokens, i % 2 == 1,
-                            0 if args.same_prompts else i * conc) for i in range(args.rounds)]
-        row = {"plain_tok_s": statistics.median(r["plain"] for r in rounds),
-               "spec_tok_s": statistics.median(r["spec"] for r in rounds),
-               "ratio_median": statistics.median(r["spec"] / r["plain"] for r in rounds),
-               "ratio_totals": totals_ratio(rounds), "rounds": rounds}
-        report[str(conc)] = row
-        print(f"c={conc:3d}  plain {row['plain_tok_s']:8.1f} tok/s  spec {row['spec_tok_s']:8.1f}"
-              f" tok/s  spec/plain median of rounds {row['ratio_median']:.2f}x, of totals "
-              f"{row['ratio_totals']:.2f}x", flush=True)
-    client.close()
+    with new_client() as client:
+        for conc in (int(c) for c in args.concurrency.split(",")):
+            for i in range(args.warmup):
+                one_round(client, urls, conc, args.max_tokens, i % 2 == 1)
+            rounds = [one_round(client, urls, conc, args.max_tokens, i % 2 == 1,
+                                0 if args.same_prompts else i * conc) for i in range(args.rounds)]
+            row = {"plain_tok_s": statistics.median(r["plain"] for r in rounds),
+                   "spec_tok_s": statistics.median(r["spec"] for r in rounds),
+                   "ratio_median": statistics.median(r["spec"] / r["plain"] for r in rounds),
+                   "ratio_totals": totals_ratio(rounds), "rounds": rounds}
+            report[str(conc)] = row
+            print(f"c={conc:3d}  plain {row['plain_tok_s']:8.1f} tok/s  spec {row['spec_tok_s']:8.1f}"
+                  f" tok/s  spec/plain median of rounds {row['ratio_median']:.2f}x, of totals "
+                  f"{row['ratio_totals']:.2f}x", flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=2)

@@ -88,19 +88,18 @@ def main(argv: list[str] | None = None) -> dict:
 
     print(f"Benchmarking {args.server_url}\n  max_tokens={args.max_tokens}, num_runs={args.num_runs}, "
           f"warmup={args.warmup}, concurrency={args.concurrency}\n")
-    client = new_client()
-    for i in range(args.warmup):
-        w = run_batch(args.server_url, batch(i), min(args.max_tokens, 64), args.temperature,
-                      client)
-        print(f"  Warmup {i + 1}/{args.warmup} done ({w.tokens} tokens)")
     runs = []
-    for i in range(args.num_runs):
-        r = run_batch(args.server_url, batch(i), args.max_tokens, args.temperature, client)
-        runs.append(r)
-        extra = f", accept length {r.accept_length:.2f}" if r.accept_length else ""
-        print(f"  Run {i + 1}/{args.num_runs}: {r.tokens} tokens in {r.seconds:.2f}s = "
-              f"{r.tok_s:.1f} tok/s (prompt: {r.prompt_tokens} toks{extra})")
-    client.close()
+    with new_client() as client:
+        for i in range(args.warmup):
+            w = run_batch(args.server_url, batch(i), min(args.max_tokens, 64), args.temperature,
+                          client)
+            print(f"  Warmup {i + 1}/{args.warmup} done ({w.tokens} tokens)")
+        for i in range(args.num_runs):
+            r = run_batch(args.server_url, batch(i), args.max_tokens, args.temperature, client)
+            runs.append(r)
+            extra = f", accept length {r.accept_length:.2f}" if r.accept_length else ""
+            print(f"  Run {i + 1}/{args.num_runs}: {r.tokens} tokens in {r.seconds:.2f}s = "
+                  f"{r.tok_s:.1f} tok/s (prompt: {r.prompt_tokens} toks{extra})")
     total_tokens, total_s = sum(r.tokens for r in runs), sum(r.seconds for r in runs)
     summary = {"overall_tok_s": total_tokens / total_s if total_s else 0.0,
                "avg_tok_s": sum(r.tok_s for r in runs) / len(runs) if runs else 0.0,

@@ -243,16 +243,17 @@ class AdaptiveChooser:
     def observe(self, setting: Setting, batch: int, step_ms: float, forward_ms: float,
                 draft_ms: float, tokens: int) -> None:
         """One decode step that ran ``setting`` over ``batch`` requests."""
-        self._forget_predictions(bucket_of(batch))
-        cost = self.costs.setdefault(bucket_of(batch), {}).setdefault(setting, Costs())
+        bucket = bucket_of(batch)
+        self._forget_predictions(bucket)
+        cost = self.costs.setdefault(bucket, {}).setdefault(setting, Costs())
         alpha = self.cfg.alpha
         cost.step_ms.add(step_ms, alpha)
         cost.forward_ms.add(forward_ms, alpha)
         cost.draft_ms.add(draft_ms, alpha)
         cost.tokens.add(float(tokens), self.cfg.tokens_alpha)
         if not setting.off:
-            self._per_request(bucket_of(batch), setting).add(tokens / max(batch, 1),
-                                                             self.cfg.tokens_alpha)
+            self._per_request(bucket, setting).add(tokens / max(batch, 1),
+                                                   self.cfg.tokens_alpha)
         cost.requests.add(float(batch), self.cfg.tokens_alpha)
         cost.window_ms.add(step_ms, self.cfg.tokens_alpha)
         cost.window_draft_ms.add(draft_ms, self.cfg.tokens_alpha)
@@ -447,8 +448,10 @@ class AdaptiveChooser:
         if (self.probe_from is not None
                 or self.steps - table[stale].last_step <= self.cfg.refresh_every):
             return None
+        preds = [p for s in table if (p := self.predict(bucket, s)) is not None]
+        best = max(preds, default=None)
         due = [s for s in table
-               if self.steps - table[s].last_step > self._refresh_interval(bucket, s)]
+               if self.steps - table[s].last_step > self._refresh_interval(bucket, s, best)]
         if not due:
             return None
         stale = min(due, key=lambda s: table[s].last_step)
@@ -458,16 +461,15 @@ class AdaptiveChooser:
             self.probe_from = self.current
         return stale
 
-    def _refresh_interval(self, bucket: int, setting: Setting) -> int:
+    def _refresh_interval(self, bucket: int, setting: Setting, best: float | None) -> int:
         """Steps between re-measurements of ``setting``: ``refresh_every`` while it is
-        predicted within ``refresh_within`` of the best here, else ``refollow_every``. A
-        speculative step at 8 clients costs 3-4 plain ones and hands its requests different
-        token counts, so the burst's last ones finish alone; re-measuring 4/2/8 there (0.66x
-        of plain) every 256 steps cost the demo pair ~8 extra small-batch steps a burst."""
-        preds = [p for s in self.costs.get(bucket, {})
-                 if (p := self.predict(bucket, s)) is not None]
+        predicted within ``refresh_within`` of the ``best`` prediction here, else
+        ``refollow_every``. A speculative step at 8 clients costs 3-4 plain ones and hands its
+        requests different token counts, so the burst's last ones finish alone; re-measuring
+        4/2/8 there (0.66x of plain) every 256 steps cost the demo pair ~8 extra small-batch
+        steps a burst."""
         mine = self.predict(bucket, setting)
-        if mine is None or not preds or mine >= max(preds) * (1 - self.cfg.refresh_within):
+        if mine is None or best is None or mine >= best * (1 - self.cfg.refresh_within):
             return self.cfg.refresh_every
         return self.cfg.refollow_every
 

@@ -34,15 +34,12 @@ class Accepted:
     first_branch: int | None = None
 
 
-def first_branch(path: list[int], parents: list[int]) -> int:
-    """How many of ``path``'s drafts (after the root) lie on the first-child branch."""
-    first: dict[int, int] = {}
-    for node, parent in enumerate(parents):
-        if parent >= 0:
-            first.setdefault(parent, node)  # nodes are in proposal order
+def first_branch(path: list[int], kids: list[list[int]]) -> int:
+    """How many of ``path``'s drafts (after the root) lie on the first-child branch;
+    ``kids`` from ``children_of`` (each node's children in proposal order)."""
     count = 0
     for parent, child in zip(path, path[1:]):
-        if first.get(parent) != child:
+        if kids[parent][0] != child:
             break
         count += 1
     return count
@@ -72,7 +69,7 @@ def greedy_path(tokens: list[int], parents: list[int], best: list[int]) -> Accep
         hit = next((c for c in kids[node] if tokens[c] == best[node]), None)
         if hit is None:
             return Accepted(path, [tokens[n] for n in path[1:]] + [best[node]],
-                            first_branch(path, parents))
+                            first_branch(path, kids))
         node = hit
         path.append(node)
 
@@ -202,7 +199,7 @@ def _accept_sampled_rows(tokens: torch.Tensor, parents: torch.Tensor, probs: tor
                           host[0][s], host[1][s], host[2][s]) for s in range(batch)]
     bonus = _draw_bonus(probs, walks, generators)
     return [Accepted(w.path, [int(host[3][s][i]) for i in w.path[1:]] + [bonus[s]],
-                     first_branch(w.path, [int(p) for p in host[4][s]]))
+                     first_branch(w.path, children_of([int(p) for p in host[4][s]])))
             for s, w in enumerate(walks)]
 
 
