@@ -38,11 +38,17 @@ STATUS_RUNNING, STATUS_ABORTED, STATUS_CLOSED = 0, 1, 2
 _SPIN_BURST = 32
 # How long to busy-poll before yielding, unless a peer we wait for last ran on *our* CPU (then
 # it cannot run while we spin: the scheduler does stack ranks on one core, e.g. after they sleep
-# in a gloo barrier) and we yield at once. Measured, 2 ranks, 8 KB back-to-back: own cores,
-# 20 us spin: 19-24 us/call (1 ms spin: 18.7); both pinned to one core: 36-43 us/call yielding
-# at once vs 94-110 us with a 20 us spin (~1 ms with a 1 ms spin). With more ranks than cores
-# the peer is usually not running, so yield almost at once.
-SPIN_DEDICATED_S = 20e-6
+# in a gloo barrier) and we yield at once. With a core per rank, the wait inside a decode step
+# is the peer's jitter (tens to hundreds of us); a waiter that gets as far as the futex sleep
+# idles its vCPU, and on a VM the hypervisor then deschedules it and takes milliseconds to bring
+# it back when other guests are busy. Measured, 2 ranks on the 2-vCPU VM, served TP=2 batch-1
+# decode of the 512 x 8 bench model (alternating servers, 12 rounds each): 20 us spin 112 tok/s
+# vs 2 ms 124 in a quiet stretch; with neighbours busy (steal) 39 vs 99 (0.5 ms: 94, 10 ms: 93);
+# 16 streams unchanged (580 vs 575). Back-to-back 8 KB allreduces: 20 us spin 19-24 us/call,
+# 1 ms 18.7; both ranks pinned to one core: 36-43 us/call yielding at once vs 94-110 us with a
+# 20 us spin (~1 ms with a 1 ms spin). With more ranks than cores the peer is usually not
+# running, so yield almost at once.
+SPIN_DEDICATED_S = 2e-3
 SPIN_OVERSUBSCRIBED_S = 2e-6
 # Then sched_yield for this long, then block in the futex. A yielding waiter still counts as
 # busy to the scheduler, so under CPU contention (more ranks than cores, or other jobs) it
