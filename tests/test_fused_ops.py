@@ -1,7 +1,9 @@
 """The fused CPU ops (tpserve::rms_norm, add_rms_norm, rotary_qk, silu_mul) give the same bits
 as the torch expressions they replace (``tpserve/layers/fused.py``'s references), for every
 16-bit and fp32 dtype, one row (decode) and many (prefill, split over the pool's threads),
-strided inputs, and refuse malformed ones."""
+strided inputs, and refuse malformed ones. The greedy pick (tpserve::greedy_logprob) picks
+torch.argmax's token, and it and tpserve::logsumexp sum exp within float rounding of float64,
+on logits spread far wider than exp's range too."""
 
 from __future__ import annotations
 
@@ -118,15 +120,22 @@ def test_malformed_inputs_raise(call) -> None:  # type: ignore[no-untyped-def]
         call()
 
 
+@pytest.mark.parametrize("scale", [5.0, 60.0])
 @pytest.mark.parametrize("rows", [1, 5])
-def test_greedy_logprob_bits(rows: int) -> None:
-    logits = _rand(rows, 32000, dtype=torch.float32, scale=5.0, seed=rows)
+def test_greedy_logprob_against_float64(rows: int, scale: float) -> None:
+    """Spread 60: most of a row lies more than 88 below its maximum (exp underflows there)."""
+    logits = _rand(rows, 32000, dtype=torch.float32, scale=scale, seed=rows)
     logits[0, 17] = logits[0, 4000] = logits.max() + 1  # a tie: the first index wins
+    logits[-1, 5000:5900] = float("-inf")  # masked tokens
     tokens, lps = torch.ops.tpserve.greedy_logprob(logits)
     ref_tokens, ref_lps = fused.greedy_logprob_reference(logits)
-    assert tokens[0] == 17 and torch.equal(tokens, ref_tokens) and torch.equal(lps, ref_lps)
+    assert tokens[0] == 17 and torch.equal(tokens, ref_tokens)
     exact = torch.log_softmax(logits.double(), -1).gather(1, tokens[:, None]).squeeze(1)
-    assert torch.allclose(lps.double(), exact, atol=1e-5)
+    assert torch.allclose(lps.double(), exact, rtol=1e-5, atol=1e-5), (lps, exact)
+    assert torch.allclose(lps, ref_lps, rtol=1e-5, atol=1e-5)
+    lse = torch.ops.tpserve.logsumexp(logits)
+    assert torch.allclose(lse.double(), torch.logsumexp(logits.double(), -1), rtol=1e-5)
+    assert torch.equal(fused.logsumexp(logits), lse)
 
 
 @pytest.mark.parametrize("where", ["vector", "tail", "nan-vector", "nan-tail"])
@@ -138,7 +147,8 @@ def test_greedy_logprob_finds_the_first_max_anywhere(where: str) -> None:
     logits[1, 20] = 50.0 if where == "tail" else logits[1, 20]  # an earlier equal max wins
     tokens, lps = torch.ops.tpserve.greedy_logprob(logits)
     ref_tokens, ref_lps = fused.greedy_logprob_reference(logits)
-    assert torch.equal(tokens, ref_tokens) and torch.equal(lps, ref_lps)
+    assert torch.equal(tokens, ref_tokens)
+    assert torch.allclose(lps, ref_lps, rtol=1e-5, atol=1e-5)  # NaN rows: both pushed finite
 
 
 def test_greedy_logprob_extremes_are_finite() -> None:
@@ -150,6 +160,37 @@ def test_greedy_logprob_extremes_are_finite() -> None:
     ref_tokens, ref_lps = fused.greedy_logprob_reference(logits)
     assert torch.equal(tokens, ref_tokens) and torch.equal(lps, ref_lps)
     assert torch.isfinite(lps).all() and tokens[0] == 2
+    # Rows whose maximum is not finite keep torch's log-sum-exp (NaN, +inf, -inf).
+    logits[2] = float("-inf")
+    assert torch.allclose(torch.ops.tpserve.logsumexp(logits), logits.logsumexp(-1),
+                          equal_nan=True)
+
+
+@pytest.mark.parametrize("isa", ["avx2", "avx512"])
+def test_logsumexp_kernel_on_both_isa_paths(isa: str) -> None:
+    """logsumexp.c built alone for each vector path against float64, at every row length
+    (two-vector blocks, single vectors, the scalar tail) and on rows spread past exp's
+    range."""
+    if isa == "avx512" and "avx512f" not in Path("/proc/cpuinfo").read_text():
+        pytest.skip("this CPU has no AVX-512 (its AVX2 path is tested)")
+    here = Path(fused.__file__).parent
+    flags = ("-mno-avx512f",) if isa == "avx2" else ()
+    lib, lanes = load_library(here / "logsumexp.c", "logsumexp_lanes",
+                              (here / "attention" / "attn_simd.h", here / "half.h"), flags)
+    assert lanes == (8 if isa == "avx2" else 16)
+    fn = lib.log_sum_exp_shifted
+    fn.restype = ctypes.c_float
+    fn.argtypes = (ctypes.c_void_p, ctypes.c_int64, ctypes.c_float)
+    gen = torch.Generator().manual_seed(3)
+    for n in (1, 7, 8, 16, 33, 47, 2048, 32003):
+        for scale in (1.0, 40.0):
+            row = torch.randn(n, generator=gen) * scale
+            if n > 1:
+                row[n // 2] = float("-inf")
+            top = float(row.max())
+            exact = float(torch.logsumexp(row.double() - top, 0))
+            got = fn(row.data_ptr(), n, top)
+            assert got == pytest.approx(exact, rel=1e-6, abs=1e-6), (n, scale)
 
 
 @pytest.mark.parametrize("isa", ["avx2", "avx512"])

@@ -219,6 +219,6 @@ def sample(
         chosen = logprobs_all.gather(1, tokens.unsqueeze(1)).squeeze(1)
         return SampleResult(tokens, chosen, _top_logprobs(logprobs_all, params))
     # Without top-logprobs, logit - logsumexp avoids materialising a second [B, V] tensor.
-    chosen = logits.gather(1, tokens.unsqueeze(1)).squeeze(1) - logits.logsumexp(dim=-1)
+    chosen = logits.gather(1, tokens.unsqueeze(1)).squeeze(1) - fused.logsumexp(logits)
     return SampleResult(tokens, fused.finite_logprobs(chosen), None)
 

@@ -43,6 +43,7 @@ extern "C" {
 #include "gemm.c"
 #include "fused.c"
 #include "argmax.c"
+#include "logsumexp.c"
 }
 
 namespace {
@@ -183,26 +184,46 @@ at::Tensor silu_mul(const at::Tensor &x) {
     return at::silu(x.narrow(-1, 0, inter)).mul_(x.narrow(-1, inter, inter));
 }
 
+// log-sum-exp of each row of contiguous fp32 logits [rows, vocab]: the maximum plus
+// logsumexp.c's shifted sum (ATen's exp leaves its fast path on widely spread logits; see
+// there). Rows whose maximum is not finite (+-inf, NaN) take ATen's value, with its rules.
+at::Tensor logsumexp_rows(const at::Tensor &logits) {
+    TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == at::kFloat && logits.is_contiguous() &&
+                    logits.size(1) > 0,
+                "tpserve::logsumexp: logits must be a contiguous fp32 [rows, vocab]");
+    const int64_t rows = logits.size(0), vocab = logits.size(1);
+    at::Tensor lse = at::empty({rows}, logits.options());
+    const float *x = logits.const_data_ptr<float>();
+    float *out = lse.mutable_data_ptr<float>();
+    for (int64_t r = 0; r < rows; r++) {
+        const float *row = x + r * vocab;
+        const float top = row[argmax_first(row, vocab)];
+        out[r] = std::isfinite(top) ? top + log_sum_exp_shifted(row, vocab, top)
+                                    : at::logsumexp(logits[r], {-1}).item<float>();
+    }
+    return lse;
+}
+
 // Greedy rows' token and log-probability: argmax (the first maximum; a NaN counts as the
-// maximum, as torch.argmax) and logit - logsumexp (ATen's, so the same bits as the sampler's
-// torch expression), pushed finite as fused.finite_logprobs. One call instead of ~10 small ops.
+// maximum, as torch.argmax) and logit - logsumexp, i.e. minus logsumexp.c's shifted sum,
+// pushed finite as fused.finite_logprobs (a row whose maximum is not finite gets the most
+// negative float, as the torch expression's NaN does). One call instead of ~10 small ops.
 std::tuple<at::Tensor, at::Tensor> greedy_logprob(const at::Tensor &logits) {
     TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == at::kFloat && logits.is_contiguous() &&
                     logits.size(1) > 0,
                 "tpserve::greedy_logprob: logits must be a contiguous fp32 [rows, vocab]");
     const int64_t rows = logits.size(0), vocab = logits.size(1);
-    at::Tensor lse = at::logsumexp(logits, {-1});
     at::Tensor tokens = at::empty({rows}, logits.options().dtype(at::kLong));
     at::Tensor logprobs = at::empty({rows}, logits.options());
-    const float *x = logits.const_data_ptr<float>(), *l = lse.const_data_ptr<float>();
+    const float *x = logits.const_data_ptr<float>();
     int64_t *tok = tokens.mutable_data_ptr<int64_t>();
     float *lp = logprobs.mutable_data_ptr<float>();
-    const float lowest = std::numeric_limits<float>::lowest();
     for (int64_t r = 0; r < rows; r++) {
-        const int64_t best = argmax_first(x + r * vocab, vocab);
-        const float v = x[r * vocab + best] - l[r];
+        const float *row = x + r * vocab;
+        const int64_t best = argmax_first(row, vocab);
         tok[r] = best;
-        lp[r] = std::isnan(v) ? lowest : std::isinf(v) ? (v > 0 ? 0.0f : lowest) : v;
+        lp[r] = std::isfinite(row[best]) ? -log_sum_exp_shifted(row, vocab, row[best])
+                                         : std::numeric_limits<float>::lowest();
     }
     return {tokens, logprobs};
 }
@@ -237,6 +258,7 @@ TORCH_LIBRARY(tpserve, m) {
           "int head_dim) -> (Tensor, Tensor)");
     m.def("silu_mul(Tensor x) -> Tensor");
     m.def("greedy_logprob(Tensor logits) -> (Tensor, Tensor)");
+    m.def("logsumexp(Tensor logits) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(tpserve, CompositeExplicitAutograd, m) {
@@ -251,6 +273,7 @@ TORCH_LIBRARY_IMPL(tpserve, CPU, m) {
     m.impl("rotary_qk", &rotary_qk);
     m.impl("silu_mul", &silu_mul);
     m.impl("greedy_logprob", &greedy_logprob);
+    m.impl("logsumexp", &logsumexp_rows);
 }
 
 // The decoder layer as one op per half (after the ops it calls are defined and registered).

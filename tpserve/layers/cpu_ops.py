@@ -34,9 +34,10 @@ from tpserve.layers import fused
 log = logging.getLogger(__name__)
 
 _SOURCE = Path(__file__).with_name("cpu_ops.cpp")
-_DEPENDS = tuple(Path(__file__).with_name(n)
+_DEPENDS = tuple(Path(__file__).parent / n
                  for n in ("gemm.c", "gemm_tiles.c", "gemm_pool.c", "half.h", "fused.c",
-                           "argmax.c", "decoder_stack.cpp", "draft_tree.cpp"))
+                           "argmax.c", "logsumexp.c", "attention/attn_simd.h",
+                           "decoder_stack.cpp", "draft_tree.cpp"))
 
 
 def _cxx_flags() -> list[str]:

@@ -3,7 +3,8 @@ NeoX rotary of the fused qkv projection's q/k heads, SiLU(gate) * up, and the sa
 greedy pick with its log-probability.
 
 On CPU each is one ``tpserve::`` op (``fused.c`` via ``cpu_ops.cpp``), bit-equal to the torch
-expression below it; elsewhere (CUDA, where graphs and compile already fuse) and in
+expression below it (but the greedy pick's log-probability and ``logsumexp``: their own
+exp-sum, ``logsumexp.c``, within float rounding of it); elsewhere (CUDA, where graphs and compile already fuse) and in
 ``cpu_ops``' Python fallback, the torch expression itself runs. The references here are also
 what the tests compare the ops against.
 """
@@ -65,6 +66,10 @@ def greedy_logprob_reference(logits: torch.Tensor) -> tuple[torch.Tensor, torch.
     return tokens, finite_logprobs(chosen)
 
 
+def logsumexp_reference(logits: torch.Tensor) -> torch.Tensor:
+    return logits.logsumexp(dim=-1)
+
+
 def finite_logprobs(logprobs: torch.Tensor) -> torch.Tensor:
     """Log-probabilities as JSON can carry them: logits pushed to +-inf by extreme penalties
     give NaN / -inf, which become the most negative float (and +inf, impossible, 0)."""
@@ -112,6 +117,15 @@ def greedy_logprob(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return greedy_logprob_reference(logits)
 
 
+def logsumexp(logits: torch.Tensor) -> torch.Tensor:
+    """log-sum-exp of each row of fp32 logits [B, V]: on CPU the same sum as the greedy
+    pick's (``greedy_logprob``), so a request reports the same log-probability whether its
+    batch was all greedy or not."""
+    if _native(logits):
+        return torch.ops.tpserve.logsumexp(logits.contiguous())
+    return logsumexp_reference(logits)
+
+
 def define_fallbacks(lib: torch.library.Library) -> None:
     """The same ops over ATen, for ``cpu_ops``' Python fallback (no C++ compiler)."""
     lib.define("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor")
@@ -120,9 +134,11 @@ def define_fallbacks(lib: torch.library.Library) -> None:
                "int head_dim) -> (Tensor, Tensor)")
     lib.define("silu_mul(Tensor x) -> Tensor")
     lib.define("greedy_logprob(Tensor logits) -> (Tensor, Tensor)")
+    lib.define("logsumexp(Tensor logits) -> Tensor")
     for name, fn in (("rms_norm", rms_norm_reference), ("add_rms_norm", add_rms_norm_reference),
                      ("rotary_qk", rotary_qk_reference), ("silu_mul", silu_mul_reference),
-                     ("greedy_logprob", greedy_logprob_reference)):
+                     ("greedy_logprob", greedy_logprob_reference),
+                     ("logsumexp", logsumexp_reference)):
         lib.impl(name, fn, "CompositeExplicitAutograd")
 
 
@@ -147,6 +163,10 @@ def register_fakes() -> None:
     def _(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         rows = logits.shape[0]
         return logits.new_empty(rows, dtype=torch.long), logits.new_empty(rows)
+
+    @torch.library.register_fake("tpserve::logsumexp")
+    def _(logits: torch.Tensor) -> torch.Tensor:
+        return logits.new_empty(logits.shape[0])
 
     @torch.library.register_fake("tpserve::silu_mul")
     def _(x: torch.Tensor) -> torch.Tensor:
