@@ -666,3 +666,25 @@ def test_plain_decoding_timed_in_a_slow_stretch_is_re_measured() -> None:
     hard = {1: 0.3, 2: 0.4}
     ratios = against_pinned(lambda i: hard, lambda i: 1.8 if i < 15 else 1.0, seeds=6)
     assert min(ratios) >= 0.94 and sum(ratios) / len(ratios) >= 0.97, ratios
+
+
+def test_a_re_measurement_the_step_could_not_run_keeps_the_old_figures() -> None:
+    """The chooser picks a setting to re-measure, but the step decodes plainly (requests the
+    draft does not follow, as at the tail of an 8-client burst). Its window must restart
+    only when it next runs: emptied at once, its rate read as 0 requests over ~0 ms
+    (predicted 0 tok/s; shown as 3e9 tok/s on the demo pair's /get_server_info)."""
+    allowed = candidates(TREE, 8, shapes_fixed=False)
+    chooser = AdaptiveChooser(TREE, allowed)
+    drive(chooser, 1, 300, random.Random(4))
+    spec = [s for s in allowed if not s.off and chooser.predict(1, s) is not None]
+    before = {s: chooser.predict(1, s) for s in spec}
+    for _ in range(3 * chooser.cfg.refresh_every):  # every pick runs as a plain step
+        chooser.choose(1)
+        chooser.observe(OFF, 1, true_step_ms(OFF, 1), true_step_ms(OFF, 1), 0.0, 1)
+    for s in spec:
+        now = chooser.predict(1, s)
+        assert now is not None and 0.5 * before[s] <= now <= 2 * before[s], (s, before, now)
+        measured = chooser.costs[1].get(s)
+        assert measured is None or measured.tok_s < 1e4
+    drive(chooser, 1, 50, random.Random(5))  # and a setting that runs again is re-timed
+    assert all(not c.restart for c in chooser.costs[1].values() if c.last_step > 300)
