@@ -2,8 +2,8 @@
 as the torch expressions they replace (``tpserve/layers/fused.py``'s references), for every
 16-bit and fp32 dtype, one row (decode) and many (prefill, split over the pool's threads),
 strided inputs, and refuse malformed ones. The greedy pick (tpserve::greedy_logprob) picks
-torch.argmax's token, and it and tpserve::logsumexp sum exp within float rounding of float64,
-on logits spread far wider than exp's range too."""
+torch.argmax's token, and it, tpserve::logsumexp and tpserve::softmax are within float rounding
+of float64, on logits spread far wider than exp's range too (masked tokens exactly 0)."""
 
 from __future__ import annotations
 
@@ -136,6 +136,10 @@ def test_greedy_logprob_against_float64(rows: int, scale: float) -> None:
     lse = torch.ops.tpserve.logsumexp(logits)
     assert torch.allclose(lse.double(), torch.logsumexp(logits.double(), -1), rtol=1e-5)
     assert torch.equal(fused.logsumexp(logits), lse)
+    probs = torch.ops.tpserve.softmax(logits)
+    exact_probs = torch.softmax(logits.double(), -1)
+    assert torch.allclose(probs.double(), exact_probs, rtol=1e-5, atol=1e-9)
+    assert (probs[-1, 5000:5900] == 0).all() and torch.equal(fused.softmax(logits), probs)
 
 
 @pytest.mark.parametrize("where", ["vector", "tail", "nan-vector", "nan-tail"])
@@ -164,13 +168,15 @@ def test_greedy_logprob_extremes_are_finite() -> None:
     logits[2] = float("-inf")
     assert torch.allclose(torch.ops.tpserve.logsumexp(logits), logits.logsumexp(-1),
                           equal_nan=True)
+    assert torch.allclose(torch.ops.tpserve.softmax(logits), torch.softmax(logits, -1),
+                          equal_nan=True)
 
 
 @pytest.mark.parametrize("isa", ["avx2", "avx512"])
 def test_logsumexp_kernel_on_both_isa_paths(isa: str) -> None:
-    """logsumexp.c built alone for each vector path against float64, at every row length
-    (two-vector blocks, single vectors, the scalar tail) and on rows spread past exp's
-    range."""
+    """logsumexp.c built alone for each vector path against float64 (its log-sum-exp and
+    softmax), at every row length (two-vector blocks, single vectors, the scalar tail) and on
+    rows spread past exp's range."""
     if isa == "avx512" and "avx512f" not in Path("/proc/cpuinfo").read_text():
         pytest.skip("this CPU has no AVX-512 (its AVX2 path is tested)")
     here = Path(fused.__file__).parent
@@ -181,6 +187,9 @@ def test_logsumexp_kernel_on_both_isa_paths(isa: str) -> None:
     fn = lib.log_sum_exp_shifted
     fn.restype = ctypes.c_float
     fn.argtypes = (ctypes.c_void_p, ctypes.c_int64, ctypes.c_float)
+    softmax = lib.softmax_shifted
+    softmax.restype = None
+    softmax.argtypes = (ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_void_p)
     gen = torch.Generator().manual_seed(3)
     for n in (1, 7, 8, 16, 33, 47, 2048, 32003):
         for scale in (1.0, 40.0):
@@ -191,6 +200,11 @@ def test_logsumexp_kernel_on_both_isa_paths(isa: str) -> None:
             exact = float(torch.logsumexp(row.double() - top, 0))
             got = fn(row.data_ptr(), n, top)
             assert got == pytest.approx(exact, rel=1e-6, abs=1e-6), (n, scale)
+            probs = torch.empty(n)
+            softmax(row.data_ptr(), n, top, probs.data_ptr())
+            assert torch.allclose(probs.double(), torch.softmax(row.double(), 0), rtol=1e-5,
+                                  atol=1e-9), (n, scale)
+            assert n == 1 or probs[n // 2] == 0  # the -inf entry
 
 
 @pytest.mark.parametrize("isa", ["avx2", "avx512"])

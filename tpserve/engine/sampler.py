@@ -137,7 +137,7 @@ def target_probs(logits: Tensor, params: Sequence[SamplingParams]) -> Tensor:
     greedy = [p.greedy for p in params]
     # Greedy rows get temperature 1 only to keep the arithmetic finite; they are replaced below.
     temps = _column([1.0 if p.greedy else p.temperature for p in params], logits)
-    probs = torch.softmax(logits / temps, dim=-1)
+    probs = fused.softmax(logits / temps)
     if _needs_filtering(params):
         sorted_probs, order = probs.sort(dim=-1, descending=True, stable=True)
         kept = _filter_sorted(sorted_probs, params)

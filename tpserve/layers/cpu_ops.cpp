@@ -26,6 +26,7 @@
 #include <ATen/ops/empty.h>
 #include <ATen/ops/linear.h>
 #include <ATen/ops/logsumexp.h>
+#include <ATen/ops/softmax.h>
 #include <ATen/ops/mv.h>
 #include <ATen/ops/silu.h>
 
@@ -204,6 +205,27 @@ at::Tensor logsumexp_rows(const at::Tensor &logits) {
     return lse;
 }
 
+// softmax of each row of contiguous fp32 logits [rows, vocab] (the sampler's distribution),
+// through logsumexp.c for the same reason; rows whose maximum is not finite take ATen's.
+at::Tensor softmax_rows(const at::Tensor &logits) {
+    TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == at::kFloat && logits.is_contiguous() &&
+                    logits.size(1) > 0,
+                "tpserve::softmax: logits must be a contiguous fp32 [rows, vocab]");
+    const int64_t rows = logits.size(0), vocab = logits.size(1);
+    at::Tensor probs = at::empty(logits.sizes(), logits.options());
+    const float *x = logits.const_data_ptr<float>();
+    float *out = probs.mutable_data_ptr<float>();
+    for (int64_t r = 0; r < rows; r++) {
+        const float *row = x + r * vocab;
+        const float top = row[argmax_first(row, vocab)];
+        if (std::isfinite(top))
+            softmax_shifted(row, vocab, top, out + r * vocab);
+        else
+            probs[r].copy_(at::softmax(logits[r], -1));
+    }
+    return probs;
+}
+
 // Greedy rows' token and log-probability: argmax (the first maximum; a NaN counts as the
 // maximum, as torch.argmax) and logit - logsumexp, i.e. minus logsumexp.c's shifted sum,
 // pushed finite as fused.finite_logprobs (a row whose maximum is not finite gets the most
@@ -259,6 +281,7 @@ TORCH_LIBRARY(tpserve, m) {
     m.def("silu_mul(Tensor x) -> Tensor");
     m.def("greedy_logprob(Tensor logits) -> (Tensor, Tensor)");
     m.def("logsumexp(Tensor logits) -> Tensor");
+    m.def("softmax(Tensor logits) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(tpserve, CompositeExplicitAutograd, m) {
@@ -274,6 +297,7 @@ TORCH_LIBRARY_IMPL(tpserve, CPU, m) {
     m.impl("silu_mul", &silu_mul);
     m.impl("greedy_logprob", &greedy_logprob);
     m.impl("logsumexp", &logsumexp_rows);
+    m.impl("softmax", &softmax_rows);
 }
 
 // The decoder layer as one op per half (after the ops it calls are defined and registered).

@@ -3,10 +3,10 @@ NeoX rotary of the fused qkv projection's q/k heads, SiLU(gate) * up, and the sa
 greedy pick with its log-probability.
 
 On CPU each is one ``tpserve::`` op (``fused.c`` via ``cpu_ops.cpp``), bit-equal to the torch
-expression below it (but the greedy pick's log-probability and ``logsumexp``: their own
-exp-sum, ``logsumexp.c``, within float rounding of it); elsewhere (CUDA, where graphs and compile already fuse) and in
-``cpu_ops``' Python fallback, the torch expression itself runs. The references here are also
-what the tests compare the ops against.
+expression below it (except the greedy pick's log-probability, ``logsumexp`` and
+``softmax``: their own exp, ``logsumexp.c``, within float rounding of it); elsewhere (CUDA, where graphs and
+compile already fuse) and in ``cpu_ops``' Python fallback, the torch expression itself runs.
+The references here are also what the tests compare the ops against.
 """
 
 from __future__ import annotations
@@ -70,6 +70,10 @@ def logsumexp_reference(logits: torch.Tensor) -> torch.Tensor:
     return logits.logsumexp(dim=-1)
 
 
+def softmax_reference(logits: torch.Tensor) -> torch.Tensor:
+    return torch.softmax(logits, dim=-1)
+
+
 def finite_logprobs(logprobs: torch.Tensor) -> torch.Tensor:
     """Log-probabilities as JSON can carry them: logits pushed to +-inf by extreme penalties
     give NaN / -inf, which become the most negative float (and +inf, impossible, 0)."""
@@ -126,6 +130,14 @@ def logsumexp(logits: torch.Tensor) -> torch.Tensor:
     return logsumexp_reference(logits)
 
 
+def softmax(logits: torch.Tensor) -> torch.Tensor:
+    """Softmax of each row of fp32 logits [B, V] (the sampler's distribution); on CPU
+    through ``logsumexp.c``'s exp, masked (-inf) tokens exactly 0."""
+    if _native(logits):
+        return torch.ops.tpserve.softmax(logits.contiguous())
+    return softmax_reference(logits)
+
+
 def define_fallbacks(lib: torch.library.Library) -> None:
     """The same ops over ATen, for ``cpu_ops``' Python fallback (no C++ compiler)."""
     lib.define("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor")
@@ -135,10 +147,11 @@ def define_fallbacks(lib: torch.library.Library) -> None:
     lib.define("silu_mul(Tensor x) -> Tensor")
     lib.define("greedy_logprob(Tensor logits) -> (Tensor, Tensor)")
     lib.define("logsumexp(Tensor logits) -> Tensor")
+    lib.define("softmax(Tensor logits) -> Tensor")
     for name, fn in (("rms_norm", rms_norm_reference), ("add_rms_norm", add_rms_norm_reference),
                      ("rotary_qk", rotary_qk_reference), ("silu_mul", silu_mul_reference),
                      ("greedy_logprob", greedy_logprob_reference),
-                     ("logsumexp", logsumexp_reference)):
+                     ("logsumexp", logsumexp_reference), ("softmax", softmax_reference)):
         lib.impl(name, fn, "CompositeExplicitAutograd")
 
 
@@ -167,6 +180,10 @@ def register_fakes() -> None:
     @torch.library.register_fake("tpserve::logsumexp")
     def _(logits: torch.Tensor) -> torch.Tensor:
         return logits.new_empty(logits.shape[0])
+
+    @torch.library.register_fake("tpserve::softmax")
+    def _(logits: torch.Tensor) -> torch.Tensor:
+        return torch.empty_like(logits)
 
     @torch.library.register_fake("tpserve::silu_mul")
     def _(x: torch.Tensor) -> torch.Tensor:

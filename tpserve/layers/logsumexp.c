@@ -1,6 +1,7 @@
 /* log(sum_i exp(row_i - top)) of one fp32 row whose maximum `top` is finite: the
  * log-sum-exp of a greedy row, less its maximum (so a greedy pick's log-probability is minus
- * this). One vector pass with attn_simd.h's exp, which clamps its argument at -87.
+ * this), and the row's softmax. Vector passes with attn_simd.h's exp, which clamps its
+ * argument at -87 (this file clamps higher first: EXP_FLOOR below).
  *
  * Why not ATen's logsumexp: its vectorised exp leaves the fast path for arguments below about
  * -88 (results that underflow, and -inf) and then costs 30-140x more per element, whatever the
@@ -8,34 +9,68 @@
  * logits spread over a few units, 780 us spread over ~100; a [1, 32000] row 54 us vs 1.6 ms).
  * Logits spread that wide are ordinary (the random bench model's; any model's masked -inf
  * tokens), and the greedy pick runs every decode step: 0.27 ms of a 6.7 ms batch-1 step of the
- * bench model went there. Clamping at -87 adds at most ~1e-38 per element to a sum that is
- * at least 1 (the maximum's own term), below its rounding.
+ * bench model went there.
  *
- * cpu_ops.cpp includes this file (tpserve::greedy_logprob, tpserve::logsumexp); the tests
- * also build it alone with ctypes, with and without -mno-avx512f.
+ * The sampler's softmax (temperature sampling) hits the same cliff: a [1, 128256] row spread
+ * over 130 took 1.1 ms in torch.softmax against 0.13 ms spread over 10.
+ *
+ * cpu_ops.cpp includes this file (tpserve::greedy_logprob, tpserve::logsumexp,
+ * tpserve::softmax); the tests also build it alone with ctypes, with and without
+ * -mno-avx512f.
  */
 #include <math.h>
 #include <stdint.h>
 
 #include "attention/attn_simd.h"
 
-#define EXP_FLOOR (-87.0f)
+/* Arguments are clamped here before attn_simd.h's exp (which clamps at -87): its results near
+ * -87 are built as y * 2^-126 with y < 1, subnormal, and arithmetic on subnormals traps to
+ * microcode (our softmax of a [1, 128256] row spread over 130 took 0.36 ms against 0.08 ms
+ * spread over 10). exp(-80) ~ 1.8e-35 per term is still far below the rounding of a sum
+ * that is at least 1. */
+#define EXP_FLOOR (-80.0f)
 
-float log_sum_exp_shifted(const float *row, int64_t n, float top) {
+/* sum_i exp(row_i - top), each term at least exp(EXP_FLOOR) */
+static float exp_sum_shifted(const float *row, int64_t n, float top) {
     float sum = 0.0f;
     int64_t i = 0;
 #if LANES
-    const vf shift = v_set1(top);
+    const vf shift = v_set1(top), floor = v_set1(EXP_FLOOR);
     vf acc0 = v_zero(), acc1 = v_zero();
     for (; i + 2 * LANES <= n; i += 2 * LANES) { /* two chains: exp's latency overlaps */
-        acc0 = v_add(acc0, v_exp(v_sub(v_load(row + i), shift)));
-        acc1 = v_add(acc1, v_exp(v_sub(v_load(row + i + LANES), shift)));
+        acc0 = v_add(acc0, v_exp(v_max(v_sub(v_load(row + i), shift), floor)));
+        acc1 = v_add(acc1, v_exp(v_max(v_sub(v_load(row + i + LANES), shift), floor)));
     }
-    for (; i + LANES <= n; i += LANES) acc0 = v_add(acc0, v_exp(v_sub(v_load(row + i), shift)));
+    for (; i + LANES <= n; i += LANES)
+        acc0 = v_add(acc0, v_exp(v_max(v_sub(v_load(row + i), shift), floor)));
     sum = v_hsum(v_add(acc0, acc1));
 #endif
     for (; i < n; i++) sum += expf(fmaxf(row[i] - top, EXP_FLOOR));
-    return logf(sum);
+    return sum;
+}
+
+float log_sum_exp_shifted(const float *row, int64_t n, float top) {
+    return logf(exp_sum_shifted(row, n, top));
+}
+
+/* out = softmax(row) for a row whose maximum `top` is finite: exp(row_i - top) / sum, with
+ * the terms at or below exp(EXP_FLOOR) (masked -inf tokens among them) exactly 0 (torch's
+ * -inf are 0 too: a sampler must never draw a masked token). */
+void softmax_shifted(const float *row, int64_t n, float top, float *out) {
+    const float scale = 1.0f / exp_sum_shifted(row, n, top);
+    int64_t i = 0;
+#if LANES
+    const vf shift = v_set1(top), mul = v_set1(scale), floor = v_set1(EXP_FLOOR);
+    for (; i + LANES <= n; i += LANES) {
+        const vf d = v_sub(v_load(row + i), shift);
+        const vf e = v_mul(v_exp(v_max(d, floor)), mul);
+        v_store(out + i, v_select(v_above(d, EXP_FLOOR), e, v_zero()));
+    }
+#endif
+    for (; i < n; i++) {
+        const float d = row[i] - top;
+        out[i] = d > EXP_FLOOR ? expf(d) * scale : 0.0f;
+    }
 }
 
 /* For the ctypes build: which vector path this object was compiled with. */

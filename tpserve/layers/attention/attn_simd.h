@@ -56,6 +56,10 @@ static inline float v_hsum(vf x) { return _mm512_reduce_add_ps(x); }
 static inline vf v_select(uint32_t bits, vf x, vf fill) {
     return _mm512_mask_blend_ps((__mmask16)bits, fill, x);
 }
+/* bit i set where lane i of x is above `limit` (NaN lanes clear) */
+static inline uint32_t v_above(vf x, float limit) {
+    return (uint32_t)_mm512_cmp_ps_mask(x, _mm512_set1_ps(limit), _CMP_GT_OQ);
+}
 static inline void load_pair(const void *src, int dtype, vf *lo, vf *hi) {
     if (dtype == ATTN_BF16) {
         __m512i w = _mm512_loadu_si512(src);
@@ -145,6 +149,9 @@ static inline vf v_select(uint32_t bits, vf x, vf fill) {
     const __m256i lane_bit = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
     __m256i on = _mm256_cmpeq_epi32(_mm256_and_si256(_mm256_set1_epi32((int)bits), lane_bit), lane_bit);
     return _mm256_blendv_ps(fill, x, _mm256_castsi256_ps(on));
+}
+static inline uint32_t v_above(vf x, float limit) {
+    return (uint32_t)_mm256_movemask_ps(_mm256_cmp_ps(x, _mm256_set1_ps(limit), _CMP_GT_OQ));
 }
 static inline void load_pair(const void *src, int dtype, vf *lo, vf *hi) {
     if (dtype == ATTN_BF16) {
