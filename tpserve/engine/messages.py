@@ -13,6 +13,7 @@ what a rank receives is exactly the fields below, nothing executable.
 from __future__ import annotations
 
 import dataclasses
+import math
 import struct
 from dataclasses import dataclass
 from typing import Any, Union
@@ -110,6 +111,11 @@ MESSAGE_TYPES: tuple[type, ...] = (ForwardStep, SpecStep, SpecCommit, ConfigChan
                                    DraftFeed, SpecSettings)
 _TYPE_INDEX = {t: i for i, t in enumerate(MESSAGE_TYPES)}
 _DTYPES = ("int64", "int32", "bool", "float32")
+# Looked up per field on every step on both sides of the channel: str(dtype), np.prod and
+# dataclasses.fields cost 5-9 us a call, most of a 122-byte plan's ~30 us encode and ~50 us
+# decode (rank 1 decodes before it can start the step).
+_DTYPE_CODE = {np.dtype(name): code for code, name in enumerate(_DTYPES)}
+_FIELDS = {t: tuple(f.name for f in dataclasses.fields(t)) for t in MESSAGE_TYPES}
 
 
 def encode(msg: StepMessage) -> bytes:
@@ -130,7 +136,10 @@ def _put(out: bytearray, value: Any) -> None:
         out += b"N"
     elif isinstance(value, np.ndarray):
         arr = np.ascontiguousarray(value)
-        out += b"A" + struct.pack("<BB", _DTYPES.index(str(arr.dtype)), arr.ndim)
+        code = _DTYPE_CODE.get(arr.dtype)
+        if code is None:
+            raise TypeError(f"cannot encode a {arr.dtype} array in a step message")
+        out += b"A" + struct.pack("<BB", code, arr.ndim)
         out += struct.pack(f"<{arr.ndim}q", *arr.shape) + arr.tobytes()
     elif isinstance(value, bool):
         out += b"B" + struct.pack("<?", value)
@@ -141,8 +150,8 @@ def _put(out: bytearray, value: Any) -> None:
         out += b"S" + struct.pack("<I", len(raw)) + raw
     elif type(value) in _TYPE_INDEX:
         out += b"D" + struct.pack("<B", _TYPE_INDEX[type(value)])
-        for f in dataclasses.fields(value):
-            _put(out, getattr(value, f.name))
+        for name in _FIELDS[type(value)]:
+            _put(out, getattr(value, name))
     else:
         raise TypeError(f"cannot encode {type(value).__name__} in a step message")
 
@@ -155,7 +164,7 @@ def _get(buf: memoryview, at: int) -> tuple[Any, int]:
         dtype, ndim = struct.unpack_from("<BB", buf, at)
         shape = struct.unpack_from(f"<{ndim}q", buf, at + 2)
         at += 2 + 8 * ndim
-        count = int(np.prod(shape)) if ndim else 1
+        count = math.prod(shape)
         arr = np.frombuffer(buf, dtype=_DTYPES[dtype], count=count, offset=at).reshape(shape)
         return arr.copy(), at + arr.nbytes
     if tag == b"B":
@@ -169,7 +178,7 @@ def _get(buf: memoryview, at: int) -> tuple[Any, int]:
         cls = MESSAGE_TYPES[buf[at]]
         at += 1
         values = {}
-        for f in dataclasses.fields(cls):
-            values[f.name], at = _get(buf, at)
+        for name in _FIELDS[cls]:
+            values[name], at = _get(buf, at)
         return cls(**values), at
     raise ValueError(f"corrupt step message (tag {tag!r})")
