@@ -23,11 +23,11 @@
 
 #include "attention/attn_simd.h"
 
-/* Arguments are clamped here before attn_simd.h's exp (which clamps at -87): its results near
- * -87 are built as y * 2^-126 with y < 1, subnormal, and arithmetic on subnormals traps to
- * microcode (our softmax of a [1, 128256] row spread over 130 took 0.36 ms against 0.08 ms
- * spread over 10). exp(-80) ~ 1.8e-35 per term is still far below the rounding of a sum
- * that is at least 1. */
+/* Arguments are clamped here before attn_simd.h's exp (which clamps at -87): exp(-87) is
+ * ~1.6e-38, just above the smallest normal float, so the softmax's scaling by 1 / sum made
+ * it subnormal, and arithmetic on subnormals traps to microcode (our softmax of a
+ * [1, 128256] row spread over 130 took 0.36 ms against 0.08 ms spread over 10). exp(-80)
+ * ~ 1.8e-35 per term is still far below the rounding of a sum that is at least 1. */
 #define EXP_FLOOR (-80.0f)
 
 /* sum_i exp(row_i - top), each term at least exp(EXP_FLOOR) */
