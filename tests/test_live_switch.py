@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -179,7 +180,11 @@ def test_profile_trace_written(plain: str) -> None:
     with ThreadPoolExecutor(2) as pool:
         trace = pool.submit(httpx.post, plain + "/admin/profile",
                             json={"steps": 3, "name": "t.json", "wait_s": 60}, timeout=90)
-        stream(plain, "import ", 16)
+        # Requests until the trace has its steps: one short stream could end before the
+        # profiler was armed (a fresh-clone CI run: the trace then waited 60 s for steps).
+        deadline = time.monotonic() + 60
+        while not trace.done() and time.monotonic() < deadline:
+            stream(plain, "import ", 16)
         body = trace.result().json()
     assert body["done"] is True and body["path"].endswith("t.json")
     events = json.loads(Path(body["path"]).read_text())["traceEvents"]
