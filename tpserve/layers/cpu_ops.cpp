@@ -185,13 +185,18 @@ at::Tensor silu_mul(const at::Tensor &x) {
     return at::silu(x.narrow(-1, 0, inter)).mul_(x.narrow(-1, inter, inter));
 }
 
+// The sampler's ops below take contiguous fp32 logits [rows, vocab].
+void check_logit_rows(const at::Tensor &logits, const char *op) {
+    TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == at::kFloat && logits.is_contiguous() &&
+                    logits.size(1) > 0,
+                "tpserve::", op, ": logits must be a contiguous fp32 [rows, vocab]");
+}
+
 // log-sum-exp of each row of contiguous fp32 logits [rows, vocab]: the maximum plus
 // logsumexp.c's shifted sum (ATen's exp leaves its fast path on widely spread logits; see
 // there). Rows whose maximum is not finite (+-inf, NaN) take ATen's value, with its rules.
 at::Tensor logsumexp_rows(const at::Tensor &logits) {
-    TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == at::kFloat && logits.is_contiguous() &&
-                    logits.size(1) > 0,
-                "tpserve::logsumexp: logits must be a contiguous fp32 [rows, vocab]");
+    check_logit_rows(logits, "logsumexp");
     const int64_t rows = logits.size(0), vocab = logits.size(1);
     at::Tensor lse = at::empty({rows}, logits.options());
     const float *x = logits.const_data_ptr<float>();
@@ -208,9 +213,7 @@ at::Tensor logsumexp_rows(const at::Tensor &logits) {
 // softmax of each row of contiguous fp32 logits [rows, vocab] (the sampler's distribution),
 // through logsumexp.c for the same reason; rows whose maximum is not finite take ATen's.
 at::Tensor softmax_rows(const at::Tensor &logits) {
-    TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == at::kFloat && logits.is_contiguous() &&
-                    logits.size(1) > 0,
-                "tpserve::softmax: logits must be a contiguous fp32 [rows, vocab]");
+    check_logit_rows(logits, "softmax");
     const int64_t rows = logits.size(0), vocab = logits.size(1);
     at::Tensor probs = at::empty(logits.sizes(), logits.options());
     const float *x = logits.const_data_ptr<float>();
@@ -231,9 +234,7 @@ at::Tensor softmax_rows(const at::Tensor &logits) {
 // pushed finite as fused.finite_logprobs (a row whose maximum is not finite gets the most
 // negative float, as the torch expression's NaN does). One call instead of ~10 small ops.
 std::tuple<at::Tensor, at::Tensor> greedy_logprob(const at::Tensor &logits) {
-    TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == at::kFloat && logits.is_contiguous() &&
-                    logits.size(1) > 0,
-                "tpserve::greedy_logprob: logits must be a contiguous fp32 [rows, vocab]");
+    check_logit_rows(logits, "greedy_logprob");
     const int64_t rows = logits.size(0), vocab = logits.size(1);
     at::Tensor tokens = at::empty({rows}, logits.options().dtype(at::kLong));
     at::Tensor logprobs = at::empty({rows}, logits.options());

@@ -30,19 +30,23 @@
  * ~ 1.8e-35 per term is still far below the rounding of a sum that is at least 1. */
 #define EXP_FLOOR (-80.0f)
 
+#if LANES
+/* exp(max(d, EXP_FLOOR)) per lane */
+static inline vf floored_exp(vf d) { return v_exp(v_max(d, v_set1(EXP_FLOOR))); }
+#endif
+
 /* sum_i exp(row_i - top), each term at least exp(EXP_FLOOR) */
 static float exp_sum_shifted(const float *row, int64_t n, float top) {
     float sum = 0.0f;
     int64_t i = 0;
 #if LANES
-    const vf shift = v_set1(top), floor = v_set1(EXP_FLOOR);
+    const vf shift = v_set1(top);
     vf acc0 = v_zero(), acc1 = v_zero();
     for (; i + 2 * LANES <= n; i += 2 * LANES) { /* two chains: exp's latency overlaps */
-        acc0 = v_add(acc0, v_exp(v_max(v_sub(v_load(row + i), shift), floor)));
-        acc1 = v_add(acc1, v_exp(v_max(v_sub(v_load(row + i + LANES), shift), floor)));
+        acc0 = v_add(acc0, floored_exp(v_sub(v_load(row + i), shift)));
+        acc1 = v_add(acc1, floored_exp(v_sub(v_load(row + i + LANES), shift)));
     }
-    for (; i + LANES <= n; i += LANES)
-        acc0 = v_add(acc0, v_exp(v_max(v_sub(v_load(row + i), shift), floor)));
+    for (; i + LANES <= n; i += LANES) acc0 = v_add(acc0, floored_exp(v_sub(v_load(row + i), shift)));
     sum = v_hsum(v_add(acc0, acc1));
 #endif
     for (; i < n; i++) sum += expf(fmaxf(row[i] - top, EXP_FLOOR));
@@ -60,11 +64,10 @@ void softmax_shifted(const float *row, int64_t n, float top, float *out) {
     const float scale = 1.0f / exp_sum_shifted(row, n, top);
     int64_t i = 0;
 #if LANES
-    const vf shift = v_set1(top), mul = v_set1(scale), floor = v_set1(EXP_FLOOR);
+    const vf shift = v_set1(top), mul = v_set1(scale);
     for (; i + LANES <= n; i += LANES) {
         const vf d = v_sub(v_load(row + i), shift);
-        const vf e = v_mul(v_exp(v_max(d, floor)), mul);
-        v_store(out + i, v_select(v_above(d, EXP_FLOOR), e, v_zero()));
+        v_store(out + i, v_select(v_above(d, EXP_FLOOR), v_mul(floored_exp(d), mul), v_zero()));
     }
 #endif
     for (; i < n; i++) {

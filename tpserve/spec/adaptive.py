@@ -162,6 +162,13 @@ class Costs:
         """Requests served per second: plain decoding's tok/s."""
         return 1e3 * self.requests.value / max(self.window_ms.value, 1e-6)
 
+    @property
+    def unfollowed_request_tok_s(self) -> float:
+        """``request_tok_s`` without the steps' feeding of the draft (their ``draft_ms``):
+        plain decoding's tok/s where no request is followed."""
+        return 1e3 * self.requests.value / max(
+            self.window_ms.value - self.window_draft_ms.value, 1e-6)
+
 
 @dataclass
 class Acceptance:
@@ -427,8 +434,7 @@ class AdaptiveChooser:
         # And by the margin speculation needs to be chosen: following where it was 10% short
         # of that (the old slack) fed every request of the demo pair's 8-client bursts
         # (4/1/5 at 0.98x of plain there) through steps the chooser kept plain, ~1 ms each.
-        unfollowed = 1e3 * off.requests.value / max(
-            off.window_ms.value - off.window_draft_ms.value, 1e-6)
+        unfollowed = off.unfollowed_request_tok_s
         return stale or max(spec) >= unfollowed * (1 + self.plain_margin(bucket))
 
     def step_aside(self, batch: int) -> Setting:
