@@ -51,6 +51,7 @@ class Walk:
 
     path: list[int]
     rejected: list[int]  # tokens rejected at the path's last node (zero in its residual)
+    first_branch: int  # ``Accepted.first_branch`` of the path
 
 
 def children_of(parents: list[int]) -> list[list[int]]:
@@ -98,7 +99,7 @@ def walk_sampled(tokens: list[int], parents: list[int], child_mass: list[float],
                 rejected.append(token)
                 remaining -= child_mass[child]
         if hit is None:
-            return Walk(path, rejected)
+            return Walk(path, rejected, first_branch(path, kids))
         node = hit
         path.append(node)
 
@@ -199,8 +200,7 @@ def _accept_sampled_rows(tokens: torch.Tensor, parents: torch.Tensor, probs: tor
                           host[0][s], host[1][s], host[2][s]) for s in range(batch)]
     bonus = _draw_bonus(probs, walks, generators)
     return [Accepted(w.path, [int(host[3][s][i]) for i in w.path[1:]] + [bonus[s]],
-                     first_branch(w.path, children_of([int(p) for p in host[4][s]])))
-            for s, w in enumerate(walks)]
+                     w.first_branch) for s, w in enumerate(walks)]
 
 
 def _draw_bonus(probs: torch.Tensor, walks: list[Walk], generators: list[torch.Generator]
