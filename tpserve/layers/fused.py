@@ -85,6 +85,17 @@ def _native(x: torch.Tensor) -> bool:
     return x.is_cpu
 
 
+def _sampler_native(logits: torch.Tensor) -> bool:
+    """``_native``, with the ops defined first: the sampler's ops run outside the layers that
+    load them (``sample`` alone, as in tests/test_sampler.py, found no ``tpserve::`` ops)."""
+    if not logits.is_cpu:
+        return False
+    from tpserve.layers import cpu_ops  # it imports this module: not at the top
+
+    cpu_ops.load()  # cached after the first call
+    return True
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     if _native(x):
         return torch.ops.tpserve.rms_norm(x, weight, eps)
@@ -116,7 +127,7 @@ def silu_mul(x: torch.Tensor) -> torch.Tensor:
 
 def greedy_logprob(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(tokens [B] long, log-probabilities [B]) of the greedy pick from fp32 logits [B, V]."""
-    if _native(logits):
+    if _sampler_native(logits):
         return torch.ops.tpserve.greedy_logprob(logits.contiguous())
     return greedy_logprob_reference(logits)
 
@@ -125,7 +136,7 @@ def logsumexp(logits: torch.Tensor) -> torch.Tensor:
     """log-sum-exp of each row of fp32 logits [B, V]: on CPU the same sum as the greedy
     pick's (``greedy_logprob``), so a request reports the same log-probability whether its
     batch was all greedy or not."""
-    if _native(logits):
+    if _sampler_native(logits):
         return torch.ops.tpserve.logsumexp(logits.contiguous())
     return logsumexp_reference(logits)
 
@@ -133,7 +144,7 @@ def logsumexp(logits: torch.Tensor) -> torch.Tensor:
 def softmax(logits: torch.Tensor) -> torch.Tensor:
     """Softmax of each row of fp32 logits [B, V] (the sampler's distribution); on CPU
     through ``logsumexp.c``'s exp, masked (-inf) tokens exactly 0."""
-    if _native(logits):
+    if _sampler_native(logits):
         return torch.ops.tpserve.softmax(logits.contiguous())
     return softmax_reference(logits)
 
