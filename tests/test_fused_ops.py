@@ -98,6 +98,31 @@ def test_silu_mul_bits(dtype: torch.dtype, rows: int) -> None:
     assert torch.equal(torch.ops.tpserve.silu_mul(x), fused.silu_mul_reference(x))
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rotary_rows_bits(dtype: torch.dtype) -> None:
+    """Rows of the fp32 tables cast like ATen's index + cast, negative positions included;
+    values near the bf16 / fp16 rounding ties and past fp16's range too."""
+    cos = _rand(300, 64, dtype=torch.float32, scale=3.0, seed=1)
+    sin = _rand(300, 64, dtype=torch.float32, scale=3e4, seed=2)
+    positions = torch.tensor([0, 299, 5, 5, -1, 17, 123])
+    for pos in (positions, positions.to(torch.int32)):
+        got = torch.ops.tpserve.rotary_rows(cos, sin, pos, dtype)
+        want = fused.rotary_rows_reference(cos, sin, pos.long(), dtype)
+        for g, w in zip(got, want, strict=True):
+            assert g.shape == (7, 1, 64) and g.dtype == dtype
+            assert torch.equal(g.view(torch.uint8), w.view(torch.uint8))
+    assert torch.equal(fused.rotary_rows(cos, sin, positions, dtype)[1],
+                       fused.rotary_rows_reference(cos, sin, positions, dtype)[1])
+
+
+def test_rotary_rows_rejects_positions_past_the_table() -> None:
+    table = torch.zeros(10, 8)
+    with pytest.raises(RuntimeError, match="outside the rotary table"):
+        torch.ops.tpserve.rotary_rows(table, table, torch.tensor([3, 10]), torch.bfloat16)
+    with pytest.raises(RuntimeError, match="outside the rotary table"):
+        torch.ops.tpserve.rotary_rows(table, table, torch.tensor([-11]), torch.bfloat16)
+
+
 def test_dispatchers_agree_with_the_references() -> None:
     """``fused.*`` call the ops on CPU; the references (what CUDA runs) agree with them."""
     x = _rand(3, 64, dtype=torch.bfloat16, seed=4)

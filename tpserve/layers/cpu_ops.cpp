@@ -176,6 +176,53 @@ std::tuple<at::Tensor, at::Tensor> rotary_qk(const at::Tensor &qkv, const at::Te
     return {q, k};
 }
 
+// rotary.py's at(): rows `positions` of the fp32 cos and sin tables, cast to `dtype`, as
+// [N, 1, D] each. ATen's index + unsqueeze + cast is four dispatched ops (~18 us a table on
+// the 2-core VM, paid by every forward and every draft depth); here it is one pass. The cast
+// is c10's (round to nearest even), so the bits are ATen's.
+template <typename T>
+void gather_cast(const float *table, int64_t table_rows, int64_t dim, const int64_t *pos,
+                 int64_t n, T *out) {
+    for (int64_t i = 0; i < n; i++) {
+        int64_t p = pos[i] < 0 ? pos[i] + table_rows : pos[i];  // ATen's negative indexing
+        TORCH_CHECK(p >= 0 && p < table_rows, "tpserve::rotary_rows: position ", pos[i],
+                    " is outside the rotary table (", table_rows, " positions)");
+        const float *row = table + p * dim;
+        for (int64_t j = 0; j < dim; j++) out[i * dim + j] = static_cast<T>(row[j]);
+    }
+}
+
+at::Tensor rotary_table_rows(const at::Tensor &table, const at::Tensor &positions,
+                             at::ScalarType dtype) {
+    const int64_t n = positions.size(0), dim = table.size(1);
+    at::Tensor out = at::empty({n, 1, dim}, table.options().dtype(dtype));
+    const float *t = table.const_data_ptr<float>();
+    const int64_t *pos = positions.const_data_ptr<int64_t>();
+    switch (dtype) {
+    case at::kFloat: gather_cast(t, table.size(0), dim, pos, n, out.mutable_data_ptr<float>()); break;
+    case at::kBFloat16:
+        gather_cast(t, table.size(0), dim, pos, n, out.mutable_data_ptr<c10::BFloat16>());
+        break;
+    case at::kHalf: gather_cast(t, table.size(0), dim, pos, n, out.mutable_data_ptr<c10::Half>()); break;
+    default: TORCH_CHECK(false, "tpserve::rotary_rows: unsupported dtype ", dtype);
+    }
+    return out;
+}
+
+std::tuple<at::Tensor, at::Tensor> rotary_gather(const at::Tensor &cos_table,
+                                               const at::Tensor &sin_table,
+                                               const at::Tensor &positions, at::ScalarType dtype) {
+    TORCH_CHECK(cos_table.dim() == 2 && cos_table.sizes() == sin_table.sizes() &&
+                    cos_table.scalar_type() == at::kFloat && sin_table.scalar_type() == at::kFloat &&
+                    cos_table.is_contiguous() && sin_table.is_contiguous() &&
+                    cos_table.device().is_cpu() && sin_table.device().is_cpu(),
+                "tpserve::rotary_rows: contiguous fp32 CPU cos and sin tables of one shape");
+    TORCH_CHECK(positions.dim() == 1 && positions.device().is_cpu(),
+                "tpserve::rotary_rows: positions must be a 1-D CPU tensor");
+    const at::Tensor pos = positions.to(at::kLong).contiguous();
+    return {rotary_table_rows(cos_table, pos, dtype), rotary_table_rows(sin_table, pos, dtype)};
+}
+
 // ATen's own silu and mul (vectorised exp; the same bits as the Python expression), called
 // from here so a decode step pays one dispatch from Python instead of three.
 at::Tensor silu_mul(const at::Tensor &x) {
@@ -280,6 +327,8 @@ TORCH_LIBRARY(tpserve, m) {
     m.def("rotary_qk(Tensor qkv, Tensor cos, Tensor sin, int q_heads, int kv_heads, "
           "int head_dim) -> (Tensor, Tensor)");
     m.def("silu_mul(Tensor x) -> Tensor");
+    m.def("rotary_rows(Tensor cos_table, Tensor sin_table, Tensor positions, ScalarType dtype) "
+          "-> (Tensor, Tensor)");
     m.def("greedy_logprob(Tensor logits) -> (Tensor, Tensor)");
     m.def("logsumexp(Tensor logits) -> Tensor");
     m.def("softmax(Tensor logits) -> Tensor");
@@ -296,6 +345,7 @@ TORCH_LIBRARY_IMPL(tpserve, CPU, m) {
     m.impl("add_rms_norm", &add_rms_norm);
     m.impl("rotary_qk", &rotary_qk);
     m.impl("silu_mul", &silu_mul);
+    m.impl("rotary_rows", &rotary_gather);
     m.impl("greedy_logprob", &greedy_logprob);
     m.impl("logsumexp", &logsumexp_rows);
     m.impl("softmax", &softmax_rows);

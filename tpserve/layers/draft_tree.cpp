@@ -81,12 +81,6 @@ DepthLayout depth_layout(const at::Tensor &pages, const at::Tensor &committed, i
     return {indptr, kv, slots};
 }
 
-// The rotary rows of `positions` as rotary.py's at() gathers and casts them.
-at::Tensor rotary_rows(const at::Tensor &table, const at::Tensor &positions,
-                       at::ScalarType dtype) {
-    return table.index({positions}).unsqueeze(1).to(dtype);
-}
-
 // eagle3.py's forward through DraftBlocks: attention over the normed [embed, hidden]
 // concatenation, then the MLP with the hidden state as the residual.
 at::Tensor midlayer(const DraftWeights &d, const at::Tensor &embed_w, const at::Tensor &ids,
@@ -139,8 +133,7 @@ at::Tensor draft_extend(const DraftWeights &d, const at::Tensor &embed_w, const 
         end[b] = row - 1;
     }
     TORCH_CHECK(row == rows, "tpserve::draft_tree: extend lens do not add up to the tokens");
-    const at::Tensor cos = rotary_rows(cos_table, positions, feats.scalar_type());
-    const at::Tensor sin = rotary_rows(sin_table, positions, feats.scalar_type());
+    const auto [cos, sin] = rotary_gather(cos_table, sin_table, positions, feats.scalar_type());
     const std::optional<at::Tensor> none;
     const StepAttention s{cos,  sin,  page_table, indptr,  kv,       slots,    none,  none,
                           page_size, window, scale, q_heads, kv_heads, head_dim, narrow};
@@ -235,8 +228,7 @@ Candidates draft_candidates(
             }
         const DepthLayout layout = depth_layout(page_table, committed, k, step, page_size);
         const std::optional<at::Tensor> mask_start = committed, own = mask;
-        const at::Tensor cos = rotary_rows(cos_table, positions, start.scalar_type());
-        const at::Tensor sin = rotary_rows(sin_table, positions, start.scalar_type());
+        const auto [cos, sin] = rotary_gather(cos_table, sin_table, positions, start.scalar_type());
         const StepAttention s{cos,       sin,  page_table, layout.q_indptr, layout.kv_lens,
                               layout.write_slots, mask_start, own, page_size, window,
                               scale,     q_heads, kv_heads, head_dim,    narrow};

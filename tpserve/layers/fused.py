@@ -74,6 +74,11 @@ def softmax_reference(logits: torch.Tensor) -> torch.Tensor:
     return torch.softmax(logits, dim=-1)
 
 
+def rotary_rows_reference(cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
+                          dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    return cos[positions].unsqueeze(1).to(dtype), sin[positions].unsqueeze(1).to(dtype)
+
+
 def finite_logprobs(logprobs: torch.Tensor) -> torch.Tensor:
     """Log-probabilities as JSON can carry them: logits pushed to +-inf by extreme penalties
     give NaN / -inf, which become the most negative float (and +inf, impossible, 0)."""
@@ -85,9 +90,9 @@ def _native(x: torch.Tensor) -> bool:
     return x.is_cpu
 
 
-def _sampler_native(logits: torch.Tensor) -> bool:
-    """``_native``, with the ops defined first: the sampler's ops run outside the layers that
-    load them (``sample`` alone, as in tests/test_sampler.py, found no ``tpserve::`` ops)."""
+def _native_defined(logits: torch.Tensor) -> bool:
+    """``_native``, with the ops defined first: for ops that run outside the layers that load
+    them (``sample`` alone, as in tests/test_sampler.py, found no ``tpserve::`` ops)."""
     if not logits.is_cpu:
         return False
     from tpserve.layers import cpu_ops  # it imports this module: not at the top
@@ -118,6 +123,17 @@ def rotary_qk(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, q_heads: 
     return rotary_qk_reference(qkv, cos, sin, q_heads, kv_heads, head_dim)
 
 
+def rotary_rows(cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
+                dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows ``positions`` of the fp32 cos / sin tables as [N, 1, D] of ``dtype``: one native
+    call for the four ATen ops of the reference (same bits). Compiled graphs keep the
+    reference, which inductor fuses."""
+    if (not torch.compiler.is_compiling() and _native_defined(cos) and positions.is_cpu
+            and cos.dtype == torch.float32):
+        return torch.ops.tpserve.rotary_rows(cos, sin, positions, dtype)
+    return rotary_rows_reference(cos, sin, positions, dtype)
+
+
 def silu_mul(x: torch.Tensor) -> torch.Tensor:
     """SiLU of the first half of the last dimension times the second half."""
     if _native(x):
@@ -127,7 +143,7 @@ def silu_mul(x: torch.Tensor) -> torch.Tensor:
 
 def greedy_logprob(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(tokens [B] long, log-probabilities [B]) of the greedy pick from fp32 logits [B, V]."""
-    if _sampler_native(logits):
+    if _native_defined(logits):
         return torch.ops.tpserve.greedy_logprob(logits.contiguous())
     return greedy_logprob_reference(logits)
 
@@ -136,7 +152,7 @@ def logsumexp(logits: torch.Tensor) -> torch.Tensor:
     """log-sum-exp of each row of fp32 logits [B, V]: on CPU the same sum as the greedy
     pick's (``greedy_logprob``), so a request reports the same log-probability whether its
     batch was all greedy or not."""
-    if _sampler_native(logits):
+    if _native_defined(logits):
         return torch.ops.tpserve.logsumexp(logits.contiguous())
     return logsumexp_reference(logits)
 
@@ -144,7 +160,7 @@ def logsumexp(logits: torch.Tensor) -> torch.Tensor:
 def softmax(logits: torch.Tensor) -> torch.Tensor:
     """Softmax of each row of fp32 logits [B, V] (the sampler's distribution); on CPU
     through ``logsumexp.c``'s exp, masked (-inf) tokens exactly 0."""
-    if _sampler_native(logits):
+    if _native_defined(logits):
         return torch.ops.tpserve.softmax(logits.contiguous())
     return softmax_reference(logits)
 
@@ -156,11 +172,14 @@ def define_fallbacks(lib: torch.library.Library) -> None:
     lib.define("rotary_qk(Tensor qkv, Tensor cos, Tensor sin, int q_heads, int kv_heads, "
                "int head_dim) -> (Tensor, Tensor)")
     lib.define("silu_mul(Tensor x) -> Tensor")
+    lib.define("rotary_rows(Tensor cos_table, Tensor sin_table, Tensor positions, "
+               "ScalarType dtype) -> (Tensor, Tensor)")
     lib.define("greedy_logprob(Tensor logits) -> (Tensor, Tensor)")
     lib.define("logsumexp(Tensor logits) -> Tensor")
     lib.define("softmax(Tensor logits) -> Tensor")
     for name, fn in (("rms_norm", rms_norm_reference), ("add_rms_norm", add_rms_norm_reference),
                      ("rotary_qk", rotary_qk_reference), ("silu_mul", silu_mul_reference),
+                     ("rotary_rows", rotary_rows_reference),
                      ("greedy_logprob", greedy_logprob_reference),
                      ("logsumexp", logsumexp_reference), ("softmax", softmax_reference)):
         lib.impl(name, fn, "CompositeExplicitAutograd")
@@ -195,6 +214,12 @@ def register_fakes() -> None:
     @torch.library.register_fake("tpserve::softmax")
     def _(logits: torch.Tensor) -> torch.Tensor:
         return torch.empty_like(logits)
+
+    @torch.library.register_fake("tpserve::rotary_rows")
+    def _(cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype
+          ) -> tuple[torch.Tensor, torch.Tensor]:
+        shape = (positions.shape[0], 1, cos.shape[1])
+        return cos.new_empty(shape, dtype=dtype), sin.new_empty(shape, dtype=dtype)
 
     @torch.library.register_fake("tpserve::silu_mul")
     def _(x: torch.Tensor) -> torch.Tensor:

@@ -99,8 +99,7 @@ class RotaryEmbedding(nn.Module):
 
     def at(self, positions: torch.Tensor, dtype: torch.dtype) -> RotaryAt:
         """cos/sin for ``positions`` gathered and cast once, reusable by every layer."""
-        cos = self.cos[positions].unsqueeze(1).to(dtype)
-        sin = self.sin[positions].unsqueeze(1).to(dtype)
+        cos, sin = fused.rotary_rows(self.cos, self.sin, positions, dtype)
         if self.interleaved:  # one angle per pair: the first half of the doubled table
             half = cos.shape[-1] // 2
             return RotaryAt(cos[..., :half], sin[..., :half], interleaved=True)
