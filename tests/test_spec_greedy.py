@@ -61,9 +61,56 @@ def test_tp2_chain_and_tree(ckpts: tuple[Path, Path, Path]) -> None:
     ref = generate((target, None, SETTINGS[0], 8))
     assert run_tp(2, generate, (target, mimic, SETTINGS[0], 8)) == ref
     assert run_tp(2, generate, (target, sub, SETTINGS[1], 8)) == ref
-    # The draft sharded like the target (--speculative-draft-tp 2) drafts the same trees.
-    sharded = {"speculative_draft_tp": 2}
-    assert run_tp(2, generate, (target, sub, SETTINGS[1], 8, sharded)) == ref
+    # The draft sharded like the target (--speculative-draft-tp 2) drafts the same trees, and
+    # so does every rank drafting its own copy (auto on CPU: only the last rank drafts).
+    for extra in ({"speculative_draft_tp": 2}, {"speculative_draft_ranks": "all"}):
+        assert run_tp(2, generate, (target, sub, SETTINGS[1], 8, extra)) == ref
+
+
+def generate_one_drafting(arg: tuple) -> dict:
+    """``generate`` at TP = 2 with one drafting rank, plus what rank 0 saw of the draft."""
+    target, draft, mode = arg
+    engine = OfflineEngine(args_for(target, draft, 3, 2, 6, speculative_draft_ranks=mode))
+    drafter = engine.spec.drafter
+    if engine.built.info.rank != 0:
+        engine.follow()
+        return {}
+    comm = engine.built.runner.comm
+    comm.set_profiling(True)
+    prompts, params = prompts_and_params()
+    outs = engine.generate(prompts, params)
+    engine.close()
+    phases = {}
+    for snap in comm.stats().values():
+        for phase, entry in snap["by_phase"].items():
+            phases[phase] = phases.get(phase, 0) + entry["calls"]
+    return {"outputs": [(o.output_ids, o.text, o.finish_reason) for o in outs],
+            "drafts": drafter.drafts, "rank": drafter.drafting_rank,
+            "draft_kv": float(sum(t.abs().sum() for t in drafter.draft_kv.pools)),
+            "spec": engine.spec.snapshot(), "phases": phases}
+
+
+def test_tp2_one_drafting_rank_hands_the_tree_over(ckpts: tuple[Path, Path, Path]) -> None:
+    """Rank 1 drafts alone: rank 0 never runs the draft (its draft KV stays zero), gets every
+    tree through one allreduce a step (none in the draft phase) and decodes exactly as plain
+    greedy, accepting exactly what every rank drafting its own copy accepts (the same trees:
+    a lost tree would still verify losslessly, but accept nothing)."""
+    target, _, sub = ckpts
+    ref = generate((target, None, SETTINGS[0], 8))
+    got = run_tp(2, generate_one_drafting, (target, sub, "one"))
+    every = run_tp(2, generate_one_drafting, (target, sub, "all"))
+    assert got["outputs"] == every["outputs"] == ref
+    assert got["rank"] == 1 and not got["drafts"] and got["draft_kv"] == 0.0
+    assert every["rank"] is None and every["drafts"] and every["draft_kv"] > 0.0
+    spec, trees = dict(got["spec"]), got["spec"]["draft_trees"]
+    assert trees == {"native": 0, "loop": 0} and sum(every["spec"]["draft_trees"].values()) > 0
+    assert spec.pop("drafting_rank") == 1 and every["spec"]["drafting_rank"] is None
+    spec.pop("draft_trees")
+    assert spec == {k: v for k, v in every["spec"].items()
+                    if k not in ("draft_trees", "drafting_rank")}
+    assert spec["accepted_drafts"] > 0
+    assert got["phases"].get("draft", 0) == 0 and got["phases"]["tree"] == spec["steps"]
+    assert "tree" not in every["phases"] and every["phases"].get("draft", 0) == 0
 
 
 @pytest.mark.parametrize("top", [0, 3])

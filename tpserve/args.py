@@ -41,6 +41,7 @@ class ServerArgs:
     speculative_eagle_topk: int = 2
     speculative_num_draft_tokens: int = 8
     speculative_draft_tp: int = 1  # 1: every rank holds the whole draft (no draft collectives)
+    speculative_draft_ranks: str = "auto"  # auto | all | one: which ranks run a replicated draft
     speculative_adaptive: str = "on"  # on | off: pick the speculative setting per step
     disable_cuda_graph: bool = False
     disable_radix_cache: bool = False  # prefix caching is on by default
@@ -98,6 +99,11 @@ FLAG_HELP = {
     "speculative_draft_tp": "ranks the draft is split over: 1 (default) replicates the whole "
                             "draft on every rank so drafting needs no collective; the TP size "
                             "shards it like the target",
+    "speculative_draft_ranks": "with a replicated draft at TP > 1: one (auto's choice on CPU) "
+                               "drafts on the last rank, which hands the tree to the others in "
+                               "one collective while rank 0 streams output and compacts KV; all "
+                               "(auto's choice on GPU) drafts the same tree on every rank with "
+                               "no collective",
     "speculative_adaptive": "on (default): choose per step between plain decoding, chains and "
                             "the launch tree from live cost and acceptance measurements; off: "
                             "pin the --speculative-* settings",

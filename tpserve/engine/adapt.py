@@ -114,7 +114,9 @@ class AdaptiveDriver:
             ph = self.phases
             forward = ph.get("decode" if setting.off else "verify", 0.0)
             # A plain step's draft time is what feeding the draft cost it.
-            draft = ph.get("draft", 0.0) if not setting.off else ph.get("feed", 0.0)
+            # With one drafting rank, rank 0 waits for its tree in the "tree" phase.
+            draft = (ph.get("draft", 0.0) + ph.get("tree", 0.0) if not setting.off
+                     else ph.get("feed", 0.0))
             self.chooser.observe(setting, batch, 1e3 * (seconds + self.carry), 1e3 * forward,
                                  1e3 * draft, appended)
             self.carry = 0.0

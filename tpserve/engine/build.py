@@ -97,6 +97,7 @@ class BuiltEngine:
 
     def shutdown_followers(self) -> None:
         if self.engine is not None:
+            self.engine.flush()
             self.engine.broadcast(Shutdown())
 
 
@@ -137,7 +138,8 @@ def build_engine(args: ServerArgs, on_stage: StageHook = _no_hook) -> BuiltEngin
     with stage("allocating KV cache", on_stage):
         kv = make_kv(args, model, draft, info, dtype, context_length)
     runner = ModelRunner(model, kv, info.device, comm)
-    spec = make_decoder(draft, spec_cfg, runner) if draft is not None and spec_cfg else None
+    spec = (make_decoder(draft, spec_cfg, runner, tp, args.speculative_draft_ranks)
+            if draft is not None and spec_cfg else None)
     on_stage("capturing / compiling")
     install_static(args, runner, spec, info.world_size, context_length)
     channel = make_channel(None) if info.world_size > 1 else None

@@ -82,6 +82,8 @@ class Engine:
         # This step's _follow_new(), decided once in next_batch: the chooser's predictions
         # behind it cost ~75 us, and admission and the draft feed must agree anyway.
         self.follow_new = False
+        # Work the last step left for after the next message went out (``defer``).
+        self._deferred: list[Callable[[], None]] = []
 
     def submit(self, cmd: Command) -> None:
         self.inbox.put(cmd)
@@ -97,10 +99,17 @@ class Engine:
                         self.profiler.record("schedule", time.perf_counter() - start)
                         self.step(batch)
                     self._trace_tick()
+                else:
+                    self.flush()
         except BaseException as exc:  # surfaced to /health and the process exit code
             log.exception("engine loop failed")
             self.error = exc
         finally:
+            try:
+                self.flush()
+            except Exception as exc:
+                log.exception("deferred step work failed at shutdown")
+                self.error = self.error or exc
             for req in list(self.scheduler.running) + list(self.scheduler.waiting):
                 self.scheduler.finish(req, "server shutting down")
             try:
@@ -115,6 +124,27 @@ class Engine:
             self.channel.send(encode(msg))
             self.stats.control_seconds += time.perf_counter() - start
 
+    def _publish(self, msg: StepMessage) -> None:
+        """Send a step's message, then run what the last step deferred."""
+        with self.profiler.phase("control"):
+            self.broadcast(msg)
+        self.flush()
+
+    def defer(self, work: Callable[[], None]) -> None:
+        """Run ``work`` right after the next message goes out (or when the engine goes idle):
+        host work rank 0 owes the last step but the next plan does not need (a speculative
+        step's KV compaction and output events). The other ranks start the next step
+        meanwhile; with one drafting rank (``Drafter.drafting_rank``) this rank's work runs
+        while that rank drafts instead of before it."""
+        self._deferred.append(work)
+
+    def flush(self) -> None:
+        """Run the deferred work now (before this rank's next forward, a command that may
+        read the requests or the cache, or going idle)."""
+        work, self._deferred = self._deferred, []
+        for fn in work:
+            fn()
+
     def _drain(self, block: bool) -> None:
         try:
             cmd = self.inbox.get(timeout=0.05) if block else self.inbox.get_nowait()
@@ -128,6 +158,8 @@ class Engine:
                 return
 
     def _handle(self, cmd: Command) -> None:
+        if cmd.kind != "add":
+            self.flush()  # an abort or admin call sees every event sent and the KV compacted
         if cmd.kind == "add":
             self.scheduler.add(cmd.payload)
             result: Any = True
@@ -199,6 +231,8 @@ class Engine:
             appended = self._forward_step(batch)
         seconds = time.perf_counter() - start
         self._account(batch, appended, seconds)
+        if not self.scheduler.has_work():
+            self.flush()  # nothing to overlap with: the events go out now
         if self.adaptive is not None and setting is not None:
             decoding = sum(1 for q in batch.q_lens if q == 1)
             # A prompt step held back running requests (else it costs every setting alike).
@@ -219,6 +253,7 @@ class Engine:
         change = self.adaptive.change_for(self.spec, self._upcoming(), followed)
         if change is not None:
             self.broadcast(change)
+            self.flush()
             apply_change(change, self.runner.comm, self.runner.static, self.spec)
 
     def _live(self) -> list[Request]:
@@ -231,8 +266,7 @@ class Engine:
             msg = replace(msg, feed=self.spec.draft_feed(batch.requests, self._live(),
                                                           batch.q_lens, self.follow_new,
                                                           self._release()))
-        with prof.phase("control"):
-            self.broadcast(msg)
+        self._publish(msg)
         with self._phase(batch.kind):
             out = run_forward(self.runner, self.spec, msg)
         if self.adaptive is not None and self.spec is not None:
@@ -250,8 +284,7 @@ class Engine:
         assert self.spec is not None
         spec, prof, reqs = self.spec, self.profiler, batch.requests
         msg = spec.plan(reqs, self._live())
-        with prof.phase("control"):
-            self.broadcast(msg)
+        self._publish(msg)
         verified = spec.run(msg, self._phase)
         with prof.phase("accept"):
             decision = self._accept(reqs, verified)
@@ -260,14 +293,20 @@ class Engine:
         with prof.phase("control"):
             self.broadcast(decision.commit)
         with prof.phase("commit"):
-            spec.commit(msg, decision.commit, verified)
+            spec.keep(msg, decision.commit, verified)
+        self.defer(lambda: self._compact(decision.commit, verified))
         with prof.phase("output"):
             for req, acc in zip(reqs, decision.accepted, strict=True):
                 req.num_cached = req.seq_len - 1 + len(acc.tokens)
             outputs = [(r, a.tokens, lp) for r, a, lp in
                        zip(reqs, decision.accepted, decision.logprobs, strict=True)
                        if not r.finished]
-            return self._commit(outputs, lambda: spec.finish_step(reqs, decision))
+            return self._commit(outputs, lambda: spec.finish_step(reqs, decision), defer=True)
+
+    def _compact(self, commit: SpecCommit, verified: Any) -> None:
+        assert self.spec is not None
+        with self.profiler.phase("commit"):
+            self.spec.compact(commit, verified)
 
     def _accept(self, reqs: list[Request], verified: Any) -> Decision:
         """Acceptance for the batch; if it raises, every request of the batch fails (the
@@ -312,10 +351,12 @@ class Engine:
         return [(t, (t, lp, top)) for t, lp, top in zip(tokens, lps, tops)]
 
     def _commit(self, outputs: list[Output],
-                before_emit: Callable[[], None] | None = None) -> int:
+                before_emit: Callable[[], None] | None = None, defer: bool = False) -> int:
         """The one place tokens join a request (stop checks, text, streaming); returns how
         many were appended. A request whose text handling fails is failed alone.
-        ``before_emit`` runs once every token is appended (statistics the events report)."""
+        ``before_emit`` runs once every token is appended (statistics the events report);
+        ``defer``: the events go out after the next message (``defer``), finished requests
+        are released now either way (the next plan must not include them)."""
         appended, failed = 0, set()
         for req, tokens, logprobs in outputs:
             try:
@@ -326,16 +367,22 @@ class Engine:
                 failed.add(id(req))
         if before_emit is not None:
             before_emit()
-        for req, _, _ in outputs:
-            if id(req) in failed:
-                continue
-            try:
-                emit_progress(req)
-            except Exception as exc:
-                log.exception("request %s failed while streaming", req.rid)
-                fail_request(req, f"internal error while detokenizing: {exc}")
+        emitting = [req for req, _, _ in outputs if id(req) not in failed]
+        if defer:
+            self.defer(lambda: self._emit(emitting))
+        else:
+            self._emit(emitting)
         self.scheduler.release_finished()
         return appended
+
+    def _emit(self, reqs: list[Request]) -> None:
+        with self.profiler.phase("output"):
+            for req in reqs:
+                try:
+                    emit_progress(req)
+                except Exception as exc:
+                    log.exception("request %s failed while streaming", req.rid)
+                    fail_request(req, f"internal error while detokenizing: {exc}")
 
     def _account(self, batch: ScheduledBatch, appended: int, seconds: float) -> None:
         self.stats.steps += 1
@@ -349,6 +396,7 @@ class Engine:
         """Validate and apply a live change on every rank; returns the active settings.
 
         ``speculative.adaptive``: see ``AdaptiveDriver.take``."""
+        self.flush()
         change = take_adaptive(self.adaptive, change)
         lookahead = self.scheduler.cfg.decode_lookahead
         valid = validate_change(change, self.runner.comm, self.spec, lookahead)

@@ -60,8 +60,9 @@ def _check_finish(req: Request, token: int, context_length: int) -> None:
 
 def emit_progress(req: Request) -> None:
     """Send what is new since the last event (holding back a possible stop-string prefix);
-    for a request that is not streamed, only its first event and its final one."""
-    if not req.stream and not req.finished and req.streamed_ids:
+    for a request that is not streamed, only its first event and its final one. Nothing
+    after the final event (an abort can follow a finish whose event was still pending)."""
+    if req.final_sent or not req.stream and not req.finished and req.streamed_ids:
         return
     visible = len(req.text) if req.finished else len(req.text) - req.stop.held
     new_text = req.text[req.streamed_text : visible]
@@ -75,6 +76,7 @@ def emit_progress(req: Request) -> None:
         new_ids=new_ids, finished=req.finished, finish_reason=req.finish_reason,
         meta=req.meta(), logprobs=list(req.logprobs),
     ))
+    req.final_sent = req.finished
 
 
 def abort(req: Request, message: str = "aborted") -> None:
@@ -86,9 +88,12 @@ def abort(req: Request, message: str = "aborted") -> None:
 def fail_request(req: Request, message: str) -> None:
     """Finish ``req`` with an error. Its final event is built without the detokenizer or the
     stop matcher (either may be what failed), from the text already streamed."""
+    if req.final_sent:
+        return
     req.finish_reason = {"type": "abort", "message": message}
     req.emit(RequestOutput(
         rid=req.rid, text=req.text[: req.streamed_text], new_text="",
         output_ids=list(req.output_ids), new_ids=req.output_ids[req.streamed_ids :],
         finished=True, finish_reason=req.finish_reason, meta=req.meta(),
         logprobs=list(req.logprobs)))
+    req.final_sent = True

@@ -54,6 +54,7 @@ class Request:
     streamed_text: int = 0
     streamed_ids: int = 0
     finish_reason: dict[str, Any] | None = None
+    final_sent: bool = False  # the finished event went out: no later event for this request
     arrival: float = field(default_factory=time.perf_counter)
     first_token_at: float | None = None
     logprobs: list[tuple[int, float, list[tuple[int, float]] | None]] = field(default_factory=list)

@@ -80,6 +80,14 @@ class SpecDecoder:
     def commit(self, step: SpecStep, commit: SpecCommit, verified: Verified) -> None:
         self.drafter.commit(step.keys, verified, commit.paths())
 
+    def keep(self, step: SpecStep, commit: SpecCommit, verified: Verified) -> None:
+        """Rank 0, at once: the accepted paths' pending features (the next plan counts them)."""
+        self.drafter.keep(step.keys, verified, commit.paths())
+
+    def compact(self, commit: SpecCommit, verified: Verified) -> None:
+        """Rank 0, any time before its next forward: the accepted nodes' KV compaction."""
+        self.drafter.compact(verified, commit.paths())
+
     def apply(self, settings: SpecSettings) -> None:
         self.enabled = settings.enabled
         self.drafter.set_tree_shape(SpecConfig(settings.num_steps, settings.topk,
@@ -197,4 +205,6 @@ class SpecDecoder:
         self.drafter.trees = dict.fromkeys(self.drafter.trees, 0)
 
     def snapshot(self) -> dict[str, Any]:
-        return {**self.stats.snapshot(), "draft_trees": dict(self.drafter.trees)}
+        # Trees grown on this rank (rank 0 grows none when another rank drafts for all).
+        return {**self.stats.snapshot(), "draft_trees": dict(self.drafter.trees),
+                "drafting_rank": self.drafter.drafting_rank}

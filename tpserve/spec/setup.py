@@ -83,13 +83,43 @@ def load_draft(cfg: SpecConfig, draft_path: str, target: ModelConfig, tp: TPCont
     return LoadedDraft(draft, aux, layout)
 
 
-def make_decoder(loaded: LoadedDraft, cfg: SpecConfig, runner: ModelRunner) -> SpecDecoder:
-    """The decoder over ``runner``'s target, its draft KV on the same pages as the target's."""
+def make_decoder(loaded: LoadedDraft, cfg: SpecConfig, runner: ModelRunner, tp: TPContext,
+                 draft_ranks: str = "auto") -> SpecDecoder:
+    """The decoder over ``runner``'s target, its draft KV on the same pages as the target's.
+    ``tp``: the target's context; ``draft_ranks``: ``--speculative-draft-ranks``."""
     kv = runner.kv.cfg
     draft_kv = KVCache(KVCacheConfig(kv.num_pages, kv.page_size, loaded.kv_layout, kv.dtype),
                        runner.device)
     embed = draft_embedding(runner.model.embed_tokens, loaded.model.tp)
-    return SpecDecoder(Drafter(runner, loaded.model, draft_kv, cfg, loaded.aux_layers, embed))
+    drafting = drafting_rank(draft_ranks, tp.size, loaded.model.tp.size, runner.device,
+                             runner.model.cfg.vocab_size)
+    return SpecDecoder(Drafter(runner, loaded.model, draft_kv, cfg, loaded.aux_layers, embed,
+                               drafting, tp.rank))
+
+
+DRAFT_RANKS = ("auto", "all", "one")
+RANKS_FLAG = "--speculative-draft-ranks"
+
+
+def drafting_rank(mode: str, world: int, draft_tp: int, device: torch.device,
+                  vocab: int) -> int | None:
+    """The one rank that drafts (the last), or None where every rank drafts the same tree.
+
+    ``one`` needs a replicated draft at TP > 1 and token ids exact in fp32 (the tree travels
+    as fp32); ``auto`` picks it on CPU, where the ranks share the cores and rank 0 has host
+    work to overlap with the draft. On GPUs the host work already overlaps the device's, so
+    ``auto`` keeps every rank drafting (no extra collective)."""
+    mode = mode.lower()
+    if mode not in DRAFT_RANKS:
+        raise ConfigError(f"{RANKS_FLAG} must be one of {', '.join(DRAFT_RANKS)}, got '{mode}'",
+                          RANKS_FLAG)
+    possible = world > 1 and draft_tp == 1 and vocab < 2**24
+    if mode == "one" and not possible:
+        raise ConfigError(f"{RANKS_FLAG} one needs TP > 1 with --speculative-draft-tp 1 "
+                          f"(TP {world}, draft TP {draft_tp})", RANKS_FLAG)
+    if mode == "all" or not possible or mode == "auto" and device.type != "cpu":
+        return None
+    return world - 1
 
 
 def draft_embedding(target: VocabParallelEmbedding, draft_tp: TPContext) -> nn.Module:
