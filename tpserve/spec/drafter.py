@@ -241,8 +241,8 @@ class Drafter:
         if native and can_grow_natively(self.draft, self.embed, extend_rows, device):
             self._remember_page_ends(rows, starts, page_table)
             feats = torch.cat(rows).to(device=device, dtype=self.draft.fc.weight.dtype)
-            extend = (torch.cat(toks), torch.tensor([len(t) for t in toks]),
-                      torch.tensor(starts))
+            extend = (torch.cat(toks), torch.tensor([len(t) for t in toks], dtype=torch.int32),
+                      torch.tensor(starts, dtype=torch.int32))
             return grow_natively(self.draft, self.embed, cache, feats, roots, pages, committed,
                                  self.cfg, ps, extend)
         root_out = self._draft_extend(rows, toks, starts, page_table)
