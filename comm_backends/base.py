@@ -96,6 +96,30 @@ class CommStats:
         self.parts.clear()
 
 
+@dataclass(frozen=True)
+class StackExchange:
+    """What native code needs to run allreduces of one message shape back to back without
+    returning to Python (tpserve's native decoder stack reduces between layer halves): the C
+    function ``int32_t fn(const void *plan, char *x, int64_t seq, int64_t timeout_ns,
+    const int32_t *pids)`` (0: done), the plans of even and odd calls, the first call's
+    sequence number, each call's rounds (call i uses seq + i * rounds), the timeout and an
+    int32 array of every rank's pid. Afterwards the caller reports the calls it made
+    (``AllReduce.stack_exchanged``) or that it failed midway (``stack_failed``)."""
+
+    fn: int
+    plans: tuple[int, int]
+    seq: int
+    rounds: int
+    timeout_ns: int
+    pids: int
+    # The objects behind the addresses (plans, pid array), alive while the caller runs.
+    keep: tuple[object, ...] = field(default=(), compare=False, repr=False)
+
+    def args(self) -> list[int]:
+        """The op argument: [fn, even plan, odd plan, seq, rounds, timeout_ns, pids]."""
+        return [self.fn, *self.plans, self.seq, self.rounds, self.timeout_ns, self.pids]
+
+
 class AllReduce(ABC):
     """Sum a tensor over all ranks of ``group``; every rank gets the bit-identical result."""
 
@@ -188,6 +212,19 @@ class AllReduce(ABC):
     def check(self) -> None:
         """Raise if an earlier asynchronous collective failed (cheap; call at sync points)."""
         return None
+
+    def stack_exchange(self, dtype: torch.dtype, shape: torch.Size) -> StackExchange | None:
+        """Allreduces of ``shape`` that native code may run itself (None: call ``all_reduce``)."""
+        return None
+
+    def stack_exchanged(self, ex: StackExchange, calls: int, nbytes: int) -> None:
+        """``calls`` allreduces of ``nbytes`` each ran natively with ``ex``: counted in the
+        statistics (not timed: they ran inside the caller's op)."""
+        raise NotImplementedError
+
+    def stack_failed(self, why: str) -> None:
+        """A native caller stopped midway: this rank's sequence is out of step."""
+        raise NotImplementedError
 
     def close(self) -> None:
         """Release backend resources (shared memory, IPC handles). Idempotent."""

@@ -29,6 +29,7 @@ ops driven from Python (kept, and tested, as the fallback).
 
 from __future__ import annotations
 
+import ctypes
 import os
 import platform
 from collections.abc import Callable
@@ -38,7 +39,7 @@ from typing import ClassVar, TypeVar
 import torch
 import torch.distributed as dist
 
-from comm_backends.base import AllReduce
+from comm_backends.base import AllReduce, StackExchange
 from comm_backends.shm_flags import (
     SPIN_DEDICATED_S,
     SPIN_OVERSUBSCRIBED_S,
@@ -208,6 +209,9 @@ class ShmAllReduce(AllReduce):
             dedicated = self.world_size <= len(os.sched_getaffinity(0))
             spin_s = SPIN_DEDICATED_S if dedicated else SPIN_OVERSUBSCRIBED_S
         self._board = FlagBoard(self._mapping, self.rank, attached.peers, self.config.timeout_s, spin_s)
+        self._pids = (ctypes.c_int32 * self.world_size)(
+            *(attached.peers[r].pid if r in attached.peers else os.getpid()
+              for r in range(self.world_size)))
         # Every rank must reduce the same way (bit-identical results), so all follow rank 0's
         # choice; a rank that cannot follow it fails loudly rather than diverging silently.
         if self.config.native and native is None:
@@ -356,13 +360,51 @@ class ShmAllReduce(AllReduce):
     def _single_round_views(self, tensor: torch.Tensor, nbytes: int) -> _OneShot | _TwoShot | None:
         """Views for a message that fits one chunk, cached under the hot path's key; None if
         it needs chunking."""
-        dtype, half = tensor.dtype, 1 - self._last
+        return self._round_views(tensor.dtype, tensor.shape, nbytes, 1 - self._last)
+
+    def _round_views(self, dtype: torch.dtype, shape: torch.Size, nbytes: int,
+                     half: int) -> _OneShot | _TwoShot | None:
         if nbytes < self._two_shot_bytes:
-            return self._one_shot_views(dtype, tensor.shape, half) if nbytes <= self._half else None
-        n = tensor.numel()
+            return self._one_shot_views(dtype, shape, half) if nbytes <= self._half else None
+        n = nbytes // dtype.itemsize
         if n > self._chunk_elements(dtype, two_shot=True):
             return None
-        return self._cache((dtype, tensor.shape, half), lambda: self._two_shot_views(dtype, n, half))
+        return self._cache((dtype, shape, half), lambda: self._two_shot_views(dtype, n, half))
+
+    # ----------------------------------------------------------------- native callers
+    def stack_exchange(self, dtype: torch.dtype, shape: torch.Size) -> StackExchange | None:
+        """The compiled exchange's plans for back-to-back allreduces of ``shape`` (one-shot:
+        halves alternate, as ``_one_shot`` flips ``_last``; two-shot: one plan), or None
+        where a message of this shape needs Python (no compiled library, chunking)."""
+        board, native = self._board, self._native
+        if native is None or not native.blocking or board is None or board.broken:
+            return None
+        if dtype not in self.dtypes:
+            return None
+        shape = torch.Size(shape)
+        nbytes = shape.numel() * dtype.itemsize
+        first = self._round_views(dtype, shape, nbytes, 1 - self._last) if nbytes else None
+        if first is None or first.plan is None:
+            return None
+        second = first
+        if type(first) is _OneShot:
+            second = self._round_views(dtype, shape, nbytes, self._last)
+            if second is None or second.plan is None:
+                return None
+        return StackExchange(native.blocking, (first.plan.address, second.plan.address),
+                             self._seq + 1, first.plan.rounds, int(self.config.timeout_s * 1e9),
+                             ctypes.addressof(self._pids), (first, second, self._pids))
+
+    def stack_exchanged(self, ex: StackExchange, calls: int, nbytes: int) -> None:
+        self._seq += calls * ex.rounds
+        if ex.plans[0] != ex.plans[1] and calls % 2:
+            self._last = 1 - self._last
+        for _ in range(calls):
+            self.stats.record(nbytes, 0.0)
+
+    def stack_failed(self, why: str) -> None:
+        if self._board is not None and not self._board.broken:
+            self._board.abort(why)
 
     def _chunk_elements(self, dtype: torch.dtype, two_shot: bool) -> int:
         step = self._half // dtype.itemsize

@@ -20,8 +20,10 @@
 #define _GNU_SOURCE /* sched_getcpu */
 #include "shm_reduce.c"
 
+#include <errno.h>
 #include <limits.h>
 #include <linux/futex.h>
+#include <signal.h>
 #include <sched.h>
 #include <sys/syscall.h>
 #include <time.h>
@@ -150,6 +152,53 @@ int32_t exchange(const plan_t *p, char *x, int64_t seq, int32_t stage) {
     }
     for (int32_t s = 0; s < p->n_gather; s++)
         copy_shared(x + p->gather[s].offset, p->gather[s].shm, p->gather[s].nbytes);
+    return 0;
+}
+
+/* Wait until every peer has published `seq`, never handing the wait back: spin briefly, then
+ * yield the CPU. Returns 0, or -1 when a peer is no longer running (it aborted or closed),
+ * -2 past `timeout_ns`, -3 when a peer's process is gone (`pids`, checked every 50 ms). */
+static int32_t wait_peers(const board_t *b, int64_t seq, int64_t timeout_ns, const int32_t *pids) {
+    const int64_t start = now_ns();
+    int64_t next_check = start + 50000000;
+    for (uint32_t i = 0;; i++) {
+        int ready = 1;
+        for (int32_t k = 0; k < b->world; k++) {
+            const int64_t *peer = line_of(b, k);
+            if (k == b->rank || __atomic_load_n(peer + b->seq_word, __ATOMIC_ACQUIRE) >= seq) continue;
+            if (__atomic_load_n(peer + b->status_word, __ATOMIC_RELAXED) != 0) return -1;
+            ready = 0;
+        }
+        if (ready) return 0;
+        if (i < 256) {
+#if LANES
+            _mm_pause();
+#endif
+            continue;
+        }
+        sched_yield();
+        if ((i & 63) != 0) continue;
+        const int64_t t = now_ns();
+        if (t - start > timeout_ns) return -2;
+        if (t > next_check) {
+            next_check = t + 50000000;
+            for (int32_t k = 0; k < b->world; k++)
+                if (k != b->rank && kill(pids[k], 0) != 0 && errno == ESRCH) return -3;
+        }
+    }
+}
+
+/* `exchange` run to completion in C, for callers that cannot return to Python mid-way (the
+ * native decoder stack reduces between its layer halves): the waits it would hand back are
+ * done by wait_peers. The caller owns the sequence numbers (shm.py's `stack_exchange`). */
+int32_t exchange_blocking(const plan_t *p, char *x, int64_t seq, int64_t timeout_ns,
+                          const int32_t *pids) {
+    int32_t stage = exchange(p, x, seq, 0);
+    while (stage) {
+        const int32_t waited = wait_peers(p->board, seq + stage - 1, timeout_ns, pids);
+        if (waited != 0) return waited;
+        stage = exchange(p, x, seq, stage);
+    }
     return 0;
 }
 

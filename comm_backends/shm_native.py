@@ -1,7 +1,7 @@
 """The ``shm`` backend's compiled part: ``shm_exchange.c`` (which includes ``shm_reduce.c``),
 built at first use and loaded with ctypes.
 
-Two entry points:
+Three entry points:
 
 - the reduction (``NativeReduce.__call__``): sum rows into one or two outputs in fp32. Why
   compiled: torch's 16-bit add is a generic elementwise kernel, and its sum over a stacked
@@ -11,6 +11,9 @@ Two entry points:
 - the exchange (``NativeReduce.exchange``): a whole one-shot or two-shot allreduce, copies and
   flags included, driven by an ``ExchangePlan`` built once per message shape. It saves the
   per-call Python work that dominated small messages (see ``shm_exchange.c``).
+- ``exchange_blocking``: the same exchange with its waits done in C, called by address from
+  the native decoder stack, which reduces between layer halves without returning to Python
+  (``ShmAllReduce.stack_exchange``).
 
 Building and caching: ``native_build`` (host ``cc -O3 -march=native`` at first use). Where
 there is no compiler (or ``TPSERVE_SHM_NATIVE=0``) the backend keeps its torch-op path and
@@ -101,6 +104,8 @@ class NativeReduce:
     kernels: dict[torch.dtype, ctypes._CFuncPtr]
     run: ctypes._CFuncPtr
     max_ranks: int
+    # Address of ``exchange_blocking`` (an exchange whose waits stay in C), for native callers.
+    blocking: int = 0
 
     def __call__(self, rows: RowPointers, nrows: int, out: int, out2: int | None, n: int,
                  dtype: torch.dtype) -> None:
@@ -120,7 +125,8 @@ def bind_library(lib: ctypes.CDLL) -> NativeReduce:
     run.restype = ctypes.c_int32
     max_ranks = lib.exchange_max_ranks
     max_ranks.restype = ctypes.c_int32
-    return NativeReduce(bind(lib, _SYMBOLS, _ARGTYPES, None), run, int(max_ranks()))
+    blocking = ctypes.cast(lib.exchange_blocking, ctypes.c_void_p).value or 0
+    return NativeReduce(bind(lib, _SYMBOLS, _ARGTYPES, None), run, int(max_ranks()), blocking)
 
 
 @cache

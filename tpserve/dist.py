@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 import comm_backends
 from comm_backends import AllReduce, BackendUnavailable, Topology
+from comm_backends.base import StackExchange
 from comm_backends.topology import Placement
 from tpserve.errors import ConfigError
 
@@ -113,6 +114,17 @@ class CommSwitch:
 
     def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
         return tensor if self.active.world_size == 1 else _collective(self.active.all_gather, tensor)
+
+    def stack_exchange(self, dtype: torch.dtype, shape: torch.Size) -> StackExchange | None:
+        """The active backend's native allreduces of ``shape`` (``AllReduce.stack_exchange``)."""
+        active = self.active
+        return None if active.world_size == 1 else active.stack_exchange(dtype, shape)
+
+    def stack_exchanged(self, ex: StackExchange, calls: int, nbytes: int) -> None:
+        self.active.stack_exchanged(ex, calls, nbytes)
+
+    def stack_failed(self, why: str) -> None:
+        self.active.stack_failed(why)
 
     def set_phase(self, phase: str) -> None:
         for backend in self.backends.values():

@@ -14,8 +14,9 @@
 //   Without a norm weight qkv_proj reads x' as it is (the EAGLE-3 draft's normed concat).
 // tpserve::decoder_mlp_block(x, delta, ...) -> (x', m): x' = x + delta (delta = the reduced
 //   attention output), m = down(silu(gate) * up)(rms_norm(x')), partial like o.
-// tpserve::decoder_layers(x, weights, caches, ...) -> x after every layer, for one rank (no
-//   reduction between the halves): one call a step instead of two a layer.
+// tpserve::decoder_layers(x, weights, caches, ..., exchange) -> x after every layer: one call
+//   a step instead of two a layer; with `exchange` (a tensor-parallel rank on `shm`) the
+//   allreduces between the halves run inside it, through the backend's compiled exchange.
 //
 // Attention is tpserve::paged_attention (cpu_attention.cpp, a separate library), called through
 // the dispatcher; the rest are this library's own functions (cpu_ops.cpp includes this file).
@@ -122,6 +123,41 @@ at::Tensor required(const c10::List<std::optional<at::Tensor>> &w, int64_t i, co
     return *t;
 }
 
+// A tensor-parallel rank's allreduce between layer halves, run by the `shm` backend's compiled
+// exchange (comm_backends/base.py's StackExchange): `ex` = [fn, even plan, odd plan, first
+// seq, rounds per call, timeout ns, pids]. In place, then the row-parallel bias once (as
+// fused_decoder.py's _reduced adds it after comm.all_reduce: the same bits).
+class StackReduce {
+  public:
+    explicit StackReduce(c10::IntArrayRef ex) : ex_(ex) {}
+
+    at::Tensor operator()(const at::Tensor &partial, const std::optional<at::Tensor> &bias) {
+        using Fn = int32_t (*)(const void *, char *, int64_t, int64_t, const int32_t *);
+        TORCH_CHECK(partial.is_contiguous() && partial.device().is_cpu(),
+                    "tpserve::decoder_layers: a partial sum to reduce must be contiguous CPU");
+        const int64_t i = calls_++;
+        const auto fn = reinterpret_cast<Fn>(ex_[0]);
+        const int32_t status =
+            fn(reinterpret_cast<const void *>(ex_[1 + (i & 1)]),
+               static_cast<char *>(partial.data_ptr()), ex_[3] + i * ex_[4], ex_[5],
+               reinterpret_cast<const int32_t *>(ex_[6]));
+        TORCH_CHECK(status == 0, "tpserve::decoder_layers: allreduce ", i, " failed: ",
+                    status == -1 ? "a peer stopped" : status == -2 ? "timed out waiting for a peer"
+                                                    : "a peer's process is gone");
+        return bias.has_value() ? at::add(partial, *bias) : partial;
+    }
+
+  private:
+    c10::IntArrayRef ex_;
+    int64_t calls_ = 0;
+};
+
+constexpr int64_t kStackExchangeArgs = 7;
+
+// Without `exchange` (one rank): the layers as a single rank computes them. With it (a
+// tensor-parallel rank): o_proj and down_proj give this rank's partial sums, reduced across
+// the ranks between the halves, their biases added after the reduction, as
+// fused_decoder.py's per-layer loop does with comm.all_reduce.
 at::Tensor decoder_layers(const at::Tensor &x_in, const c10::List<std::optional<at::Tensor>> &w,
                           at::TensorList k_caches, at::TensorList v_caches, const at::Tensor &cos,
                           const at::Tensor &sin, const at::Tensor &page_table,
@@ -130,14 +166,19 @@ at::Tensor decoder_layers(const at::Tensor &x_in, const c10::List<std::optional<
                           const std::optional<at::Tensor> &mask_start,
                           const std::optional<at::Tensor> &custom_mask, int64_t page_size,
                           int64_t window, double scale, int64_t q_heads, int64_t kv_heads,
-                          int64_t head_dim, double eps, bool narrow) {
+                          int64_t head_dim, double eps, bool narrow, c10::IntArrayRef exchange) {
     const int64_t layers = static_cast<int64_t>(k_caches.size());
     TORCH_CHECK(static_cast<int64_t>(w.size()) == layers * kLayerTensors &&
                     v_caches.size() == k_caches.size(),
                 "tpserve::decoder_layers: ", kLayerTensors, " weights and two caches a layer");
+    TORCH_CHECK(exchange.empty() || static_cast<int64_t>(exchange.size()) == kStackExchangeArgs,
+                "tpserve::decoder_layers: exchange is [] or ", kStackExchangeArgs, " integers");
     const StepAttention s{cos,         sin,         page_table, q_indptr, kv_lens, write_slots,
                           mask_start,  custom_mask, page_size,  window,   scale,   q_heads,
                           kv_heads,    head_dim,    narrow};
+    const bool split = !exchange.empty();
+    StackReduce reduce(exchange);
+    const std::optional<at::Tensor> none;
     at::Tensor x = x_in;
     std::optional<at::Tensor> delta;
     for (int64_t l = 0; l < layers; l++) {
@@ -146,9 +187,11 @@ at::Tensor decoder_layers(const at::Tensor &x_in, const c10::List<std::optional<
         at::Tensor kc = k_caches[l], vc = v_caches[l];
         auto weight = [&](int64_t i) { return required(w, b + i, "tpserve::decoder_layers"); };
         auto [xa, o] = attn_block(x, delta, weight(0), weight(1), w.get(b + 2), weight(3),
-                                  w.get(b + 4), kc, vc, s, eps);
+                                  split ? none : w.get(b + 4), kc, vc, s, eps);
+        if (split) o = reduce(o, w.get(b + 4));
         auto [xm, m] = mlp_block(xa, o, weight(5), weight(6), w.get(b + 7), weight(8),
-                                 w.get(b + 9), eps);
+                                 split ? none : w.get(b + 9), eps);
+        if (split) m = reduce(m, w.get(b + 9));
         x = xm;
         delta = m;
     }
@@ -170,7 +213,7 @@ TORCH_LIBRARY_FRAGMENT(tpserve, m) {
           "Tensor(b!)[] v_caches, Tensor cos, Tensor sin, Tensor page_table, Tensor q_indptr, "
           "Tensor kv_lens, Tensor write_slots, Tensor? mask_start, Tensor? custom_mask, "
           "int page_size, int window, float scale, int q_heads, int kv_heads, int head_dim, "
-          "float eps, bool narrow) -> Tensor");
+          "float eps, bool narrow, int[] exchange) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(tpserve, CPU, m) {
