@@ -65,7 +65,6 @@ def run_to_completion(engine: Any, requests: list[Request]) -> None:
         if batch is None:
             raise RuntimeError("scheduler stalled with work left (KV cache too small?)")
         engine.step(batch)
-    engine.flush()
 
 
 def warm_up(engine: Any, make_request: RequestFactory, shape: WarmupShape, vocab_size: int) -> float:

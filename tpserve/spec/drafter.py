@@ -296,12 +296,10 @@ class Drafter:
         plan counts). Host-built indices travel with non-blocking copies: nothing here waits
         for the device."""
         device = self.runner.device
-        lens = [len(p) for p in paths]
-        rows = np.repeat(np.arange(len(paths)), lens)
-        nodes = np.array([n for p in paths for n in p], dtype=np.int64)
+        lens, rows, nodes = path_nodes(paths)
         kept = verified.features[torch.from_numpy(rows).to(device, non_blocking=True),
                                  torch.from_numpy(nodes).to(device, non_blocking=True)]
-        for key, feats in zip(keys.tolist(), kept.split(lens), strict=True):
+        for key, feats in zip(keys.tolist(), kept.split(lens.tolist()), strict=True):
             self.pending[key] = feats
 
     @torch.inference_mode()
@@ -309,9 +307,7 @@ class Drafter:
         """Move the accepted nodes' target KV to consecutive slots (node n at position i of
         its path moves down to committed + i, n >= i). Must run before the next forward."""
         device = self.runner.device
-        lens = np.array([len(p) for p in paths], dtype=np.int64)
-        rows = np.repeat(np.arange(len(paths)), lens)
-        nodes = np.array([n for p in paths for n in p], dtype=np.int64)
+        lens, rows, nodes = path_nodes(paths)
         position = np.arange(len(nodes)) - np.repeat(np.cumsum(lens) - lens, lens)
         moved = nodes != position
         if moved.any():
@@ -321,6 +317,14 @@ class Drafter:
             dst = page_slots(pages, rows[moved], base + position[moved], ps)
             self.runner.kv.move_slots(torch.from_numpy(src).to(device, non_blocking=True),
                                       torch.from_numpy(dst).to(device, non_blocking=True))
+
+
+def path_nodes(paths: list[list[int]]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Accepted paths flattened: each path's length, then every node's request row and its
+    node index, in path order."""
+    lens = np.array([len(p) for p in paths], dtype=np.int64)
+    rows = np.repeat(np.arange(len(paths)), lens)
+    return lens, rows, np.array([n for p in paths for n in p], dtype=np.int64)
 
 
 def page_slots(pages: np.ndarray, rows: np.ndarray, logical: np.ndarray,
