@@ -107,6 +107,8 @@ def test_profiler_accounts_for_step_time_and_allreduces(plain: str) -> None:
     assert 0.9 <= prof["phase_coverage"] <= 1.1, prof
     phases = prof["phases"]
     assert {"schedule", "control", "decode", "sample", "output"} <= set(phases)
+    # Each phase is timed once a step, never inside itself (nested, output was counted twice).
+    assert phases["output"]["entries"] == prof["steps"], phases["output"]
     decode_steps = phases["decode"]["entries"]
     calls = prof["allreduce"]["decode"]["calls"]
     # two per layer, plus the vocab-parallel embedding and the LM head's gather

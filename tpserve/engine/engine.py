@@ -369,20 +369,24 @@ class Engine:
             before_emit()
         emitting = [req for req, _, _ in outputs if id(req) not in failed]
         if defer:
-            self.defer(lambda: self._emit(emitting))
+            self.defer(lambda: self._emit_later(emitting))
         else:
-            self._emit(emitting)
+            self._emit(emitting)  # inside the caller's "output" phase
         self.scheduler.release_finished()
         return appended
 
     def _emit(self, reqs: list[Request]) -> None:
+        for req in reqs:
+            try:
+                emit_progress(req)
+            except Exception as exc:
+                log.exception("request %s failed while streaming", req.rid)
+                fail_request(req, f"internal error while detokenizing: {exc}")
+
+    def _emit_later(self, reqs: list[Request]) -> None:
+        """Deferred events, timed as output on their own (the step's phase has closed)."""
         with self.profiler.phase("output"):
-            for req in reqs:
-                try:
-                    emit_progress(req)
-                except Exception as exc:
-                    log.exception("request %s failed while streaming", req.rid)
-                    fail_request(req, f"internal error while detokenizing: {exc}")
+            self._emit(reqs)
 
     def _account(self, batch: ScheduledBatch, appended: int, seconds: float) -> None:
         self.stats.steps += 1
