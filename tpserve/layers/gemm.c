@@ -85,7 +85,7 @@ static void store_f16(uint16_t *dst, const float *src, int64_t n) {
             if (xs == 1) { /* streaming-bound: each output rounded as its tile ends */         \
                 int64_t r = r0;                                                               \
                 for (; r + ROWS <= r1; r += ROWS) {                                           \
-                    tile_##FMT##_4_1(job->w + r * ldw, ldw, xb, k, k, sums);                  \
+                    STREAM_TILE(FMT)(job->w + r * ldw, ldw, xb, k, k, sums);                  \
                     for (int q = 0; q < ROWS; q++) yb[r + q] = f32_to_##FMT(sums[q]);         \
                 }                                                                             \
                 for (; r < r1; r++) {                                                         \
@@ -134,7 +134,7 @@ static int64_t chunk_rows(int64_t rows, int64_t k, int threads) {
     int64_t chunk = by_cache < by_balance ? by_cache : by_balance;
     if (chunk < (rows + POOL_MAX_CHUNKS - 1) / POOL_MAX_CHUNKS)
         chunk = (rows + POOL_MAX_CHUNKS - 1) / POOL_MAX_CHUNKS;
-    chunk = (chunk + ROWS - 1) / ROWS * ROWS; /* whole 4-row tiles */
+    chunk = (chunk + ROWS - 1) / ROWS * ROWS; /* whole ROWS-row tiles */
     return chunk > 0 ? chunk : ROWS;
 }
 

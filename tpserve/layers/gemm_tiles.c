@@ -25,12 +25,12 @@
 #include <immintrin.h>
 #endif
 
-/* Weight rows per pass (each x block is loaded once for all of them), and how far ahead of
- * each row's loads to prefetch. Measured on the CI-like Xeon, one thread, bf16, all 33
- * projections of the 84 MB bench_compile model in sequence, GB/s (same run, two runs on a noisy
- * machine): torch.mv 12.6 / 9.2; 4 rows with no prefetch 10.1 / 7.6, 2 KB ahead 15.0 / 10.3,
- * 4 KB 18.9 / 11.8, 8 KB 21.1 / 12.1; at 4 KB, 2 rows 20.5 / 11.4 and 8 rows 12.9 / 8.9. */
-#define ROWS 4 /* the ROWS x 1 tile below is named tile_*_4_1 */
+/* How far ahead of each weight row's loads to prefetch. Measured on the CI-like Xeon, one
+ * thread, bf16, all 33 projections of the 84 MB bench_compile model in sequence, GB/s (same run,
+ * two runs on a noisy machine): torch.mv 12.6 / 9.2; 4 rows with no prefetch 10.1 / 7.6, 2 KB
+ * ahead 15.0 / 10.3, 4 KB 18.9 / 11.8, 8 KB 21.1 / 12.1; at 4 KB, 2 rows 20.5 / 11.4 and 8 rows
+ * 12.9 / 8.9. On a 2-vCPU Zen 3 (AVX2) the distance hardly matters (one row at a time, 2
+ * threads, 0 to 8 KB: 13-15 GB/s, within the noise). */
 #define PREFETCH_BYTES 8192
 
 #include "half.h"
@@ -57,6 +57,18 @@ static inline vec f16_vec(const uint16_t *p) {
 }
 #else
 #define LANES 0
+#endif
+
+/* Weight rows per pass at one x row (each x block is loaded once for all of them): the number of
+ * weight streams a thread reads side by side. The Xeon above (AVX-512) streams best with 4; a
+ * 2-vCPU Zen 3 (AVX2) with one, a plain sequential read: the 33 projections + lm_head of the
+ * bench model (hidden 512 x 8, 79 MB), one thread, 11.3 GB/s with 1 row vs 8.5 with 4, 7.6 with
+ * 2 and 8.0 with 8 (a plain AVX2 read of the same bytes: 12.7-13.1); 2 threads 13-15 vs 11.2.
+ * Only the order in which outputs are computed changes, never an output's arithmetic. */
+#if LANES == 16
+#define ROWS 4
+#else
+#define ROWS 1
 #endif
 
 #if LANES
@@ -181,7 +193,15 @@ static void f16_layout(const uint16_t *xh, int64_t k, float *x) {
             }                                                                                 \
     }
 
-/* The tiles gemm.c uses. One x row: ROWS weight rows (4 load streams). Several x rows: pairs of
+#if ROWS == 4
+#define DEFINE_STREAM_TILE(FMT) DEFINE_TILE(FMT, 4, 1)
+#define STREAM_TILE(FMT) tile_##FMT##_4_1
+#else
+#define DEFINE_STREAM_TILE(FMT)
+#define STREAM_TILE(FMT) tile_##FMT##_1_1
+#endif
+
+/* The tiles gemm.c uses. One x row: ROWS weight rows (STREAM_TILE). Several x rows: pairs of
  * weight rows against up to XPAIR x rows (2 x 2 x XPAIR accumulators: 16 of the 32 AVX-512
  * registers at XPAIR = 4), and single weight rows against up to XMAX x rows for an odd row out
  * or a longer block. */
@@ -189,7 +209,7 @@ static void f16_layout(const uint16_t *xh, int64_t k, float *x) {
 #define XPAIR 4
 typedef void (*tile_fn)(const uint16_t *, int64_t, const float *, int64_t, int64_t, float *);
 #define DEFINE_TILES(FMT)                                                                     \
-    DEFINE_TILE(FMT, 4, 1) /* ROWS x 1 */                                                     \
+    DEFINE_STREAM_TILE(FMT) /* ROWS x 1 */                                                    \
     DEFINE_TILE(FMT, 1, 1)                                                                    \
     DEFINE_TILE(FMT, 1, 2)                                                                    \
     DEFINE_TILE(FMT, 1, 3)                                                                    \
