@@ -7,10 +7,13 @@ behind). Measured on the 2-core machine, a small plan costs ~20-40 us this way v
 would rival the allreduces it precedes. Across nodes, ``make_channel`` relays through one
 leader per node (``control_nodes``).
 
-Layout: [seq i64][nbytes i64][ack i64 x world][payload]. The writer waits for every ack to
-reach the previous seq before overwriting the payload, writes payload and size, then
-publishes seq (x86 stores are not reordered, and seq is an aligned 8-byte store). Readers
-spin briefly, then back off to short sleeps so an idle server does not burn the cores.
+Layout: [seq i64][nbytes i64 x slots][ack i64 x world][payload slot x slots]: a ring, message
+n in slot n % slots. The writer waits only until every rank has read the message that last
+used the slot (so it may run ``slots - 1`` messages ahead of the slowest reader: rank 0 sends
+a speculative step's commit and the next plan while the drafting rank is still drafting ahead
+of both, instead of stalling on the first one), writes payload and size, then publishes seq
+(x86 stores are not reordered, and seq is an aligned 8-byte store). Readers spin briefly,
+then back off to short sleeps so an idle server does not burn the cores.
 """
 
 from __future__ import annotations
@@ -34,8 +37,6 @@ from comm_backends.shm_segment import (
 )
 from comm_backends.topology import node_key
 
-HEADER_WORDS = 2
-
 
 class PeerGone(RuntimeError):
     """A rank the channel was waiting on has exited."""
@@ -43,7 +44,8 @@ class PeerGone(RuntimeError):
 
 @dataclass(frozen=True)
 class ChannelConfig:
-    capacity: int = 16 << 20
+    capacity: int = 16 << 20  # payload bytes over all slots
+    slots: int = 4
     spin_iters: int = 2000
     max_sleep_s: float = 0.001
     timeout_s: float | None = None  # None: wait forever, but still notice a dead peer
@@ -56,7 +58,11 @@ class ControlChannel:
         self.cfg = cfg
         self.rank = dist.get_rank(group)
         self.world = dist.get_world_size(group)
-        size = 8 * (HEADER_WORDS + self.world) + cfg.capacity
+        if cfg.slots < 1:
+            raise ValueError("the control channel needs one slot or more")
+        self.slot_bytes = cfg.capacity // cfg.slots
+        header = 1 + cfg.slots + self.world
+        size = 8 * header + cfg.capacity
         fd, box = None, [None]
         if self.rank == 0:
             fd, ref = create_segment(size, "tpserve-ctl")
@@ -75,27 +81,36 @@ class ControlChannel:
                 os.close(fd)
         self.peers: list[ProcId] = procs
         self.peer_pids = [p.pid for p in procs]
-        words = np.frombuffer(self._mm, dtype=np.int64, count=HEADER_WORDS + self.world)
-        self._seq, self._acks = words[0:1], words[HEADER_WORDS:]
-        self._nbytes = words[1:2]
-        self._payload_at = 8 * (HEADER_WORDS + self.world)
+        words = np.frombuffer(self._mm, dtype=np.int64, count=header)
+        self._seq, self._nbytes = words[0:1], words[1 : 1 + cfg.slots]
+        self._acks = words[1 + cfg.slots :]
+        self._payload_at = 8 * header
         self._last = 0
+
+    def _slot(self, seq: int) -> int:
+        """Where message ``seq`` (1, 2, ...) lives in the segment."""
+        return self._payload_at + (seq - 1) % self.cfg.slots * self.slot_bytes
 
     def send(self, obj: Any) -> None:
         data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
-        if len(data) > self.cfg.capacity:
-            raise ValueError(f"control message of {len(data)} bytes exceeds {self.cfg.capacity}")
-        self._wait(lambda: bool((self._acks[1:] >= self._last).all()), self._first_dead_follower)
-        self._mm[self._payload_at : self._payload_at + len(data)] = data
-        self._nbytes[0] = len(data)
-        self._last += 1
-        self._seq[0] = self._last
+        if len(data) > self.slot_bytes:
+            raise ValueError(f"control message of {len(data)} bytes exceeds a slot's "
+                             f"{self.slot_bytes}")
+        seq = self._last + 1
+        reused = seq - self.cfg.slots  # the message this slot held: read by everyone?
+        self._wait(lambda: bool((self._acks[1:] >= reused).all()), self._first_dead_follower)
+        at = self._slot(seq)
+        self._mm[at : at + len(data)] = data
+        self._nbytes[(seq - 1) % self.cfg.slots] = len(data)
+        self._last = seq
+        self._seq[0] = seq
 
     def recv(self) -> Any:
         target = self._last + 1
         self._wait(lambda: int(self._seq[0]) >= target, self._leader_dead)
-        size = int(self._nbytes[0])
-        obj = pickle.loads(self._mm[self._payload_at : self._payload_at + size])
+        size = int(self._nbytes[(target - 1) % self.cfg.slots])
+        at = self._slot(target)
+        obj = pickle.loads(self._mm[at : at + size])
         self._last = target
         self._acks[self.rank] = target
         return obj
