@@ -61,6 +61,8 @@ def follow(runner: ModelRunner, channel: Channel, spec: SpecDecoder | None = Non
     scope = tag_allreduces(runner.comm)
     while True:
         msg = receive(channel)
+        if spec is not None and not isinstance(msg, SpecStep):
+            spec.discard_ahead()  # a tree grown ahead was for the next speculative step
         if isinstance(msg, Shutdown):
             return
         if runner.comm is not None:
@@ -71,6 +73,7 @@ def follow(runner: ModelRunner, channel: Channel, spec: SpecDecoder | None = Non
             if spec is None:
                 raise RuntimeError("a speculative step arrived, but this rank has no draft")
             verified = spec.run(msg, scope)
+            spec.run_ahead(msg, verified)
             commit = receive(channel)
             if not isinstance(commit, SpecCommit):
                 raise RuntimeError(f"expected SpecCommit after SpecStep, got "

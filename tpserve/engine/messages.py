@@ -65,6 +65,10 @@ class SpecStep:
     page_table: np.ndarray  # [B, P] int32
     keys: np.ndarray  # [B] int64
     drop: np.ndarray  # [D] int64
+    # Every request's acceptance is the argmax of the raw verify logits (greedy, no
+    # penalties, no min_new_tokens still due): a drafting follower may then work out the
+    # commit and the next plan itself and draft ahead (``Drafter.run_ahead``).
+    greedy: bool = False
 
 
 @dataclass(frozen=True)

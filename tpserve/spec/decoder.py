@@ -39,6 +39,13 @@ Logprobs = list[tuple[int, float, Any]] | None
 MAX_DEFERRED = 16
 
 
+def argmax_accepts(req: Request) -> bool:
+    """Whether ``accept`` takes ``req``'s path from the raw verify logits' argmax alone
+    (``node_logits`` leaves its rows untouched and no generator is drawn)."""
+    p = req.params
+    return p.greedy and not p.uses_penalties and p.min_new_tokens <= len(req.output_ids)
+
+
 def request_key(req: Request) -> int:
     # id() is unique among live requests; a reused id is reset by its first prefill chunk.
     return id(req)
@@ -76,6 +83,14 @@ class SpecDecoder:
 
     def run(self, step: SpecStep, phase: PhaseScope) -> Verified:
         return self.drafter.run(step, phase)
+
+    def run_ahead(self, step: SpecStep, verified: Verified) -> None:
+        """A drafting follower, right after verify: grow the next tree before the commit and
+        plan arrive, where it can work them out itself (``Drafter.run_ahead``)."""
+        self.drafter.run_ahead(step, verified)
+
+    def discard_ahead(self) -> None:
+        self.drafter.discard_ahead()
 
     def commit(self, step: SpecStep, commit: SpecCommit, verified: Verified) -> None:
         self.drafter.commit(step.keys, verified, commit.paths())
@@ -176,7 +191,7 @@ class SpecDecoder:
         cached = [r.seq_len - n for r, n in zip(reqs, lens, strict=True)]
         return SpecStep(tokens, np.array(lens, dtype=np.int32), np.array(cached, dtype=np.int32),
                         pages, np.array([request_key(r) for r in reqs], dtype=np.int64),
-                        self._drops(live))
+                        self._drops(live), all(argmax_accepts(r) for r in reqs))
 
     def accept(self, reqs: Sequence[Request], verified: Verified) -> Decision:
         """Choose each request's accepted path (greedy match or rejection sampling)."""

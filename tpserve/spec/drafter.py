@@ -12,6 +12,11 @@ One speculative step over a decode batch, with L = seq_len and the root = token 
 4. after rank 0 has chosen the accepted paths: move the accepted nodes' target KV to
    consecutive slots and keep the path's features as the new pending rows (their draft KV
    is written by the next step's extend).
+
+With one drafting rank that is not rank 0, a greedy step lets that rank run ahead: it works
+out the accepted paths and the next plan from the verify logits it holds too, and grows the
+next tree while rank 0 is still accepting, streaming and planning (``run_ahead``); the real
+messages then only confirm it.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -35,6 +41,7 @@ from tpserve.models.eagle3 import Eagle3Draft
 from tpserve.spec.config import SpecConfig
 from tpserve.spec.eagle import can_grow_natively, draft_tree, grow_natively
 from tpserve.spec.tree import DraftTree, tree_metadata, with_inputs
+from tpserve.spec.verify import greedy_paths
 
 # Enters a named part of the step: tags its allreduces (and times it on rank 0).
 PhaseScope = Callable[[str], AbstractContextManager[None]]
@@ -47,6 +54,36 @@ class Verified:
     features: torch.Tensor  # [B, N, H] fc'd target features of every node
     pages: torch.Tensor
     committed: torch.Tensor  # [B] target KV length before the step (= L - 1)
+
+
+@dataclass(frozen=True)
+class Ahead:
+    """A tree the drafting follower grew before rank 0's commit and plan arrived."""
+
+    step: SpecStep  # the plan it assumed
+    paths: list[list[int]]  # the commit it assumed
+    pages: np.ndarray  # [B] leading page-table entries of each request its draft read or wrote
+    tree: DraftTree
+    verify_meta: AttentionMetadata | None  # the assumed plan's verify layout (if it has one)
+
+    def same_pages(self, step: SpecStep) -> bool:
+        """The verify layout applies too: the real plan has exactly the assumed page table."""
+        return np.array_equal(step.page_table, self.step.page_table)
+
+    def fits(self, step: SpecStep) -> bool:
+        """Whether ``step`` is the assumed plan, as far as the draft is concerned: the same
+        requests, pending tokens and lengths, and the same pages wherever the draft went
+        (a page the real plan added beyond them does not matter; dropped keys neither)."""
+        guess = self.step
+        if not (np.array_equal(step.keys, guess.keys) and np.array_equal(step.q_lens, guess.q_lens)
+                and np.array_equal(step.cached_lens, guess.cached_lens)
+                and np.array_equal(step.token_ids, guess.token_ids)):
+            return False
+        width = int(self.pages.max())
+        if step.page_table.shape[1] < width:
+            return False
+        used = np.arange(width)[None, :] < self.pages[:, None]
+        return bool(np.all((step.page_table[:, :width] == guess.page_table[:, :width]) | ~used))
 
 
 class Drafter:
@@ -72,7 +109,9 @@ class Drafter:
         # followed requests' projections, deferred rows, extend): what following cost it.
         self.feed_seconds = 0.0
         # Trees grown by the one native call vs the per-depth loop (reported in the stats).
-        self.trees = {"native": 0, "loop": 0}
+        # Trees grown ahead (``run_ahead``) that the next plan used, or that it did not.
+        self.trees = {"native": 0, "loop": 0, "ahead": 0, "ahead_wasted": 0}
+        self.ahead: Ahead | None = None
         self.page_features = torch.zeros(draft_kv.cfg.num_pages, draft.cfg.base.hidden_size,
                                          dtype=draft.fc.weight.dtype, device=runner.device)
         self._build_static()
@@ -198,33 +237,97 @@ class Drafter:
             self.page_features[pages.to(dev, non_blocking=True)] = r[
                 offsets.to(r.device, non_blocking=True)]
 
+    def _draft_inputs(self, step: SpecStep) -> tuple[Any, ...]:
+        """``_draft``'s arguments for the plan ``step``."""
+        lens = step.q_lens.tolist()
+        ends = np.cumsum(step.q_lens)
+        toks = [torch.from_numpy(step.token_ids[e - n : e]).long()
+                for e, n in zip(ends.tolist(), lens, strict=True)]
+        rows = [self.pending[k] for k in step.keys.tolist()]
+        starts = (step.cached_lens - 1).tolist()  # pending feature of token t is at t - 1
+        pages = torch.from_numpy(step.page_table).long()
+        committed = torch.from_numpy(step.cached_lens + step.q_lens - 1).long()
+        roots = torch.from_numpy(step.token_ids[ends - 1]).long()
+        return rows, toks, starts, step.page_table, pages, committed, roots
+
     @torch.inference_mode()
     def run(self, step: SpecStep, phase: PhaseScope) -> Verified:
         """Draft extend + tree (part "draft"), then the target's verify forward ("verify")."""
         self.forget(step.drop)
+        ahead, self.ahead = self.ahead, None
         with phase("draft"):
-            lens = step.q_lens.tolist()
-            ends = np.cumsum(step.q_lens)
-            toks = [torch.from_numpy(step.token_ids[e - n : e]).long()
-                    for e, n in zip(ends.tolist(), lens, strict=True)]
-            rows = [self.pending[k] for k in step.keys.tolist()]
-            starts = (step.cached_lens - 1).tolist()  # pending feature of token t is at t - 1
             pages = torch.from_numpy(step.page_table).long()
             committed = torch.from_numpy(step.cached_lens + step.q_lens - 1).long()
-            roots = torch.from_numpy(step.token_ids[ends - 1]).long()
+            tree = None
+            if ahead is not None and ahead.fits(step):
+                tree = ahead.tree
+                self.trees["ahead"] += 1
             # Host-side layout of the verify batch, built before drafting queues device work.
-            n = self.cfg.num_draft_tokens
-            cached = committed.numpy().astype(np.int32)
-            verify_meta = tree_metadata(step.page_table, cached, n, cached, n,
-                                        self.runner.page_size, self.runner.device)
-            tree = (self._draft(rows, toks, starts, step.page_table, pages, committed, roots)
-                    if self.drafts else None)
+            verify_meta = None
+            if ahead is not None and tree is ahead.tree and ahead.same_pages(step):
+                verify_meta = ahead.verify_meta
+            if verify_meta is None:
+                verify_meta = self._verify_meta(step)
+            if tree is None and self.drafts:
+                if ahead is not None:
+                    self.trees["ahead_wasted"] += 1
+                tree = self._draft(*self._draft_inputs(step))
         if self.drafting_rank is not None:
             with phase("tree"):
-                tree = self._hand_over(tree, len(lens))
+                tree = self._hand_over(tree, len(step.q_lens))
         assert tree is not None
         with phase("verify"):
             return self._verify(tree, verify_meta, pages, committed)
+
+    def _verify_meta(self, step: SpecStep) -> AttentionMetadata:
+        cached = (step.cached_lens + step.q_lens - 1).astype(np.int32)
+        n = self.cfg.num_draft_tokens
+        return tree_metadata(step.page_table, cached, n, cached, n, self.runner.page_size,
+                             self.runner.device)
+
+    @torch.inference_mode()
+    def run_ahead(self, step: SpecStep, verified: Verified) -> None:
+        """On the drafting rank when it is not rank 0, right after verify: where rank 0's
+        acceptance is the argmax of these same logits (``step.greedy``), work out its commit
+        and the next plan (the same requests, each extended by its accepted tokens, on the
+        pages it holds) and grow that plan's tree now, while rank 0 accepts, streams and
+        plans. ``commit`` and ``run`` then only check the guess (a finished request, a new
+        page, another message in between: the tree is grown again from the real plan).
+
+        Nothing here touches what the real messages could disagree with: the paths'
+        features become pending as ``keep`` would make them (redone if the commit differs),
+        and the draft writes its KV only at indices from the root on (uncommitted, rewritten
+        by the next extend) in pages the verify just wrote."""
+        self.ahead = None
+        if not (step.greedy and self.drafts and self.drafting_rank is not None):
+            return
+        tree = verified.tree
+        accepted = greedy_paths(tree.tokens, tree.parents, verified.logits.float())
+        m = np.array([len(a.nodes) for a in accepted], dtype=np.int32)
+        root = step.cached_lens + step.q_lens - 1
+        # The last draft KV index the next tree touches (its temporary nodes), and the last
+        # one this step's verify wrote: only pages up to it are surely the request's own.
+        cfg, ps = self.cfg, self.draft_kv.cfg.page_size
+        last = root + m + max((cfg.num_steps - 1) * cfg.topk - 1, 0)
+        if np.any(last // ps > (root + cfg.num_draft_tokens - 1) // ps):
+            return
+        guess = SpecStep(np.array([t for a in accepted for t in a.tokens], dtype=np.int64), m,
+                         (step.cached_lens + step.q_lens).astype(np.int32), step.page_table,
+                         step.keys, np.zeros(0, dtype=np.int64), True)
+        paths = [a.nodes for a in accepted]
+        self.keep(step.keys, verified, paths)
+        tree = self._draft(*self._draft_inputs(guess))
+        # The verify layout too, where the assumed page table is wide enough for it (used only
+        # if the real plan brings that very table).
+        fits = np.all(root + m + cfg.num_draft_tokens <= step.page_table.shape[1] * ps)
+        self.ahead = Ahead(guess, paths, last // ps + 1, tree,
+                           self._verify_meta(guess) if fits else None)
+
+    def discard_ahead(self) -> None:
+        """A message other than the next speculative step came: the guess is void."""
+        if self.ahead is not None:
+            self.trees["ahead_wasted"] += 1
+            self.ahead = None
 
     def _draft(self, rows: list[torch.Tensor], toks: list[torch.Tensor], starts: list[int],
                page_table: np.ndarray, pages: torch.Tensor, committed: torch.Tensor,
@@ -286,8 +389,13 @@ class Drafter:
                         committed)
 
     def commit(self, keys: np.ndarray, verified: Verified, paths: list[list[int]]) -> None:
-        """Keep the paths' features, then compact the accepted target KV."""
-        self.keep(keys, verified, paths)
+        """Keep the paths' features (unless ``run_ahead`` already kept these very paths),
+        then compact the accepted target KV."""
+        if self.ahead is None or self.ahead.paths != paths:
+            if self.ahead is not None:
+                self.trees["ahead_wasted"] += 1
+                self.ahead = None
+            self.keep(keys, verified, paths)
         self.compact(verified, paths)
 
     @torch.inference_mode()

@@ -153,6 +153,15 @@ def accept_greedy_batch(tree_tokens: torch.Tensor, parents: torch.Tensor, logits
                                                   parents))]
 
 
+def greedy_paths(tree_tokens: torch.Tensor, parents: torch.Tensor, logits: torch.Tensor
+                 ) -> list[Accepted]:
+    """The paths ``accept_greedy_batch`` takes (the same fused argmax), without the
+    log-probabilities: what a drafting follower needs to draft ahead."""
+    batch, nodes, vocab = logits.shape
+    best, _ = greedy_logprob(logits.reshape(batch * nodes, vocab))
+    return _greedy_paths(best.view(batch, nodes), tree_tokens, parents)
+
+
 def _greedy_paths(best: torch.Tensor, tree_tokens: torch.Tensor, parents: torch.Tensor
                   ) -> list[Accepted]:
     """Each request's greedy path from the target argmax ``best`` [B, N] at every node: one

@@ -1,0 +1,58 @@
+"""When a tree grown ahead (``Drafter.run_ahead``) may stand in for the real plan's."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import torch
+
+from tpserve.engine.messages import SpecStep
+from tpserve.spec.drafter import Ahead
+from tpserve.spec.tree import DraftTree
+
+
+def _step(tokens: list[int], lens: list[int], cached: list[int], pages: list[list[int]],
+          keys: list[int]) -> SpecStep:
+    return SpecStep(np.array(tokens, dtype=np.int64), np.array(lens, dtype=np.int32),
+                    np.array(cached, dtype=np.int32), np.array(pages, dtype=np.int32),
+                    np.array(keys, dtype=np.int64), np.zeros(0, dtype=np.int64), True)
+
+
+def _ahead() -> Ahead:
+    guess = _step([5, 6, 7, 9], [3, 1], [40, 18], [[3, 4, 8], [1, 2, 0]], [11, 12])
+    tree = DraftTree(*(torch.zeros(2, 4, dtype=torch.long) for _ in range(3)),
+                     torch.zeros(2, 4, 4, dtype=torch.bool))
+    # Request 0's draft went into its first 3 pages, request 1's into its first 2.
+    return Ahead(guess, [[0, 1, 2], [0]], np.array([3, 2]), tree, None)  # type: ignore[arg-type]
+
+
+def test_the_assumed_plan_fits() -> None:
+    ahead = _ahead()
+    assert ahead.fits(ahead.step) and ahead.same_pages(ahead.step)
+
+
+def test_pages_beyond_the_drafts_reach_do_not_matter() -> None:
+    ahead = _ahead()
+    wider = dataclasses.replace(ahead.step, page_table=np.array([[3, 4, 8, 9], [1, 2, 5, 0]],
+                                                                dtype=np.int32))
+    assert ahead.fits(wider) and not ahead.same_pages(wider)
+    pad = dataclasses.replace(ahead.step, page_table=np.array([[3, 4, 8], [1, 2, 7]],
+                                                              dtype=np.int32))
+    assert ahead.fits(pad)  # request 1's third entry: beyond where its draft went
+
+
+def test_any_difference_the_draft_saw_voids_it() -> None:
+    ahead, g = _ahead(), _ahead().step
+    moved = np.array([[3, 4, 8], [1, 6, 0]], dtype=np.int32)  # a page the draft wrote
+    narrow = np.array([[3, 4], [1, 2]], dtype=np.int32)
+    for real in (dataclasses.replace(g, page_table=moved),
+                 dataclasses.replace(g, page_table=narrow),
+                 dataclasses.replace(g, token_ids=np.array([5, 6, 8, 9], dtype=np.int64)),
+                 dataclasses.replace(g, q_lens=np.array([2, 2], dtype=np.int32)),
+                 dataclasses.replace(g, cached_lens=np.array([41, 18], dtype=np.int32)),
+                 dataclasses.replace(g, keys=np.array([12, 11], dtype=np.int64))):
+        assert not ahead.fits(real)
+    # A request dropped from the batch (it finished): another plan altogether.
+    one = _step([5, 6, 7], [3], [40], [[3, 4, 8]], [11])
+    assert not ahead.fits(one)
