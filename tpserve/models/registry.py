@@ -16,6 +16,7 @@ from torch import nn
 
 from tpserve.errors import ConfigError
 from tpserve.layers.fp8 import native_blockwise_gemm
+from tpserve.layers.huge_pages import rehome_parameters
 from tpserve.layers.quant import Fp8BlockWeights, quantized_modules, resident_weight_bytes
 from tpserve.layers.tp import TPContext
 from tpserve.loader import load_weights, safetensors_files
@@ -76,6 +77,8 @@ def build_model(model_dir: str | Path, tp: TPContext, dtype: torch.dtype, device
     cls = MODELS[cfg.architecture]
     kwargs = _format_kwargs(cls, cfg, Path(model_dir))
     model = cls(cfg, tp, dtype, device, max_position, **kwargs)
+    if device.type == "cpu":
+        rehome_parameters(model)  # before loading: the weights land in huge pages
     names = model.checkpoint_names()
     _check_fp8_covered(model, names, kwargs.get("weights"))
     aliases = {"lm_head.weight": "model.embed_tokens.weight"} if cfg.tie_word_embeddings else {}
