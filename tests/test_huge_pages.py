@@ -65,3 +65,17 @@ def test_built_cpu_model_reads_its_weights_from_huge_pages(tmp_path: Path) -> No
         assert "hg" in _vm_flags(w.data_ptr())
     # The checkpoint's values, not the arena's zeros.
     assert layer.mlp.gate_up_proj.weight.abs().sum() > 0 and model.lm_head.weight.abs().sum() > 0
+
+
+def test_cpu_kv_cache_is_zeroed_and_advised() -> None:
+    from tpserve.engine.kv_cache import KVCache, KVCacheConfig
+
+    cache = KVCache(KVCacheConfig.gqa(40, 16, 3, 2, 32, torch.bfloat16), torch.device("cpu"))
+    for pool in cache.pools:
+        assert pool.shape == (3, 640, 2, 32) and pool.dtype == torch.bfloat16
+        assert pool.is_contiguous() and not pool.any()
+        assert "hg" in _vm_flags(pool.data_ptr())
+    # Slot moves work on the views as on any tensor.
+    cache.pools[0][:, 5] = 1.0
+    cache.move_slots(torch.tensor([5]), torch.tensor([9]))
+    assert cache.pools[0][:, 9].eq(1.0).all() and cache.layers[2][0][9].eq(1.0).all()

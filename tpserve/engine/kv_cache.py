@@ -11,6 +11,8 @@ from dataclasses import dataclass
 
 import torch
 
+from tpserve.layers.huge_pages import huge_zeros
+
 
 @dataclass(frozen=True)
 class KVLayout:
@@ -66,8 +68,11 @@ class KVCache:
         # One tensor per entry across layers ([layers, slots, heads, dim]); each layer reads a
         # contiguous view of it, and moving slots is one gather/scatter over every layer.
         # zeros, not empty: the dummy page must hold finite values (0 * NaN would poison SDPA),
-        # and large zeroed CPU allocations are lazily backed by the OS anyway.
+        # and large zeroed CPU allocations are lazily backed by the OS anyway. On CPU in huge
+        # pages, like the weights (layers/huge_pages.py): attention streams the cache too.
         self.pools: tuple[torch.Tensor, ...] = tuple(
+            huge_zeros((cfg.layout.num_layers, slots, h, d), cfg.dtype)
+            if device.type == "cpu" else
             torch.zeros((cfg.layout.num_layers, slots, h, d), dtype=cfg.dtype, device=device)
             for h, d in cfg.layout.entries)
         self.layers: list[tuple[torch.Tensor, ...]] = [

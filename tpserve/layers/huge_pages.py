@@ -41,6 +41,16 @@ def huge_arena(nbytes: int) -> torch.Tensor:
     return whole[start : start + nbytes]
 
 
+def huge_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A zero tensor in huge-page memory (the CPU KV cache: attention streams it like the
+    weights, and the mapping's pages are zero until first written, so nothing is touched
+    up front)."""
+    nbytes = dtype.itemsize
+    for n in shape:
+        nbytes *= n
+    return huge_arena(nbytes).view(dtype).view(shape)
+
+
 def _placed(module: nn.Module, min_bytes: int) -> list[nn.Parameter]:
     """Parameters to move: on the CPU, contiguous, at least ``min_bytes``, each once."""
     seen: set[int] = set()
