@@ -67,11 +67,18 @@ async def _tpserve_figures(url: str, plan: Plan, rng: random.Random, long: bool
         await sc.stream(client, url, sc.random_ids(rng, 16, plan.cfg.vocab), 4)  # first contact
         values: dict[str, float] = {}
         for fig in plan.figures:
-            if fig.startswith("b"):
-                values |= await sc.concurrency(client, url, plan.cfg, rng, int(fig[1:]))
-            elif long:
-                values |= await LONG_FIGURES[fig](client, url, plan.cfg, rng)
+            try:
+                if fig.startswith("b"):
+                    values |= await sc.concurrency(client, url, plan.cfg, rng, int(fig[1:]))
+                elif long:
+                    values |= await LONG_FIGURES[fig](client, url, plan.cfg, rng)
+            except httpx.HTTPError as exc:  # the note says which figure broke, and how
+                raise FigureFailed(f"figure {fig}: {type(exc).__name__}: {exc!r}") from exc
     return values
+
+
+class FigureFailed(RuntimeError):
+    """A figure's client saw a transport error (the round's other servers still run)."""
 
 
 def tpserve_round(plan: Plan, index: int, notes: list[str]) -> dict[str, float]:

@@ -22,7 +22,7 @@
  * thread, so a thread that starts late (or shares its core) leaves the rest to the others. */
 #define CHUNK_BYTES 32768
 #define CHUNKS_PER_THREAD 4
-/* x rows per pass over a chunk: blocks of XPAIR use the 2-row tiles. One thread, hot
+/* x rows per pass over a chunk: blocks of up to PAIR_XS use the 2-row tiles. One thread, hot
  * weights, 16 rows (tools-only C loop, GFLOP/s): k = 512: 2 x 4 tiles 78, 1 x 8 86; k = 2048
  * (a 4-row fp32 x block is 32 KB, 8 rows overflow L1): 2 x 4 46, 1 x 8 32. */
 #ifndef XBLOCK
@@ -98,7 +98,7 @@ static void store_f16(uint16_t *dst, const float *src, int64_t n) {
             for (int64_t rb = r0; rb < r1; rb += SUB_ROWS) {                                  \
                 const int64_t re = rb + SUB_ROWS < r1 ? rb + SUB_ROWS : r1;                   \
                 int64_t r = rb;                                                               \
-                if (xs <= XPAIR)                                                              \
+                if (xs <= PAIR_XS)                                                            \
                     for (; r + 2 <= re; r += 2) {                                             \
                         two_row_tiles_##FMT[xs](job->w + r * ldw, ldw, xb, k, k, sums);       \
                         for (int j = 0; j < xs; j++) {                                        \

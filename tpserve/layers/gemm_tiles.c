@@ -207,6 +207,17 @@ static void f16_layout(const uint16_t *xh, int64_t k, float *x) {
  * or a longer block. */
 #define XMAX 8
 #define XPAIR 4
+/* The largest x block the 2-row tiles take. AVX-512 has 32 vector registers: a 2 x 4 tile's 16
+ * accumulators fit beside its weight and x vectors. AVX2 has 16, where they spill: on a 2-vCPU
+ * Zen 3 (C harness, the bench model's projections + lm_head, 2 threads, median of 9 passes)
+ * one weight row against blocks of 4 x rows ran 5.3 / 5.6 / 9.6 / 16.2 / 74.0 ms at 2 / 4 / 8
+ * / 16 / 64 rows against 7.7 / 10.7 / 13.1 / 22.0-32.0 / 98.0 with the 2 x 4 tiles (blocks of
+ * 6 or 8: no better). Same bits: every output keeps its own two accumulators. */
+#if LANES == 16
+#define PAIR_XS XPAIR
+#else
+#define PAIR_XS 1
+#endif
 typedef void (*tile_fn)(const uint16_t *, int64_t, const float *, int64_t, int64_t, float *);
 #define DEFINE_TILES(FMT)                                                                     \
     DEFINE_STREAM_TILE(FMT) /* ROWS x 1 */                                                    \
