@@ -87,9 +87,10 @@ class ControlChannel:
         self._payload_at = 8 * header
         self._last = 0
 
-    def _slot(self, seq: int) -> int:
-        """Where message ``seq`` (1, 2, ...) lives in the segment."""
-        return self._payload_at + (seq - 1) % self.cfg.slots * self.slot_bytes
+    def _slot(self, seq: int) -> tuple[int, int]:
+        """Message ``seq`` (1, 2, ...): its slot and where that slot's payload starts."""
+        slot = (seq - 1) % self.cfg.slots
+        return slot, self._payload_at + slot * self.slot_bytes
 
     def send(self, obj: Any) -> None:
         data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
@@ -99,17 +100,17 @@ class ControlChannel:
         seq = self._last + 1
         reused = seq - self.cfg.slots  # the message this slot held: read by everyone?
         self._wait(lambda: bool((self._acks[1:] >= reused).all()), self._first_dead_follower)
-        at = self._slot(seq)
+        slot, at = self._slot(seq)
         self._mm[at : at + len(data)] = data
-        self._nbytes[(seq - 1) % self.cfg.slots] = len(data)
+        self._nbytes[slot] = len(data)
         self._last = seq
         self._seq[0] = seq
 
     def recv(self) -> Any:
         target = self._last + 1
         self._wait(lambda: int(self._seq[0]) >= target, self._leader_dead)
-        size = int(self._nbytes[(target - 1) % self.cfg.slots])
-        at = self._slot(target)
+        slot, at = self._slot(target)
+        size = int(self._nbytes[slot])
         obj = pickle.loads(self._mm[at : at + size])
         self._last = target
         self._acks[self.rank] = target

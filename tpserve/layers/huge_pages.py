@@ -16,6 +16,7 @@ everything built later see the new storage.
 
 from __future__ import annotations
 
+import math
 import mmap
 
 import torch
@@ -45,38 +46,28 @@ def huge_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """A zero tensor in huge-page memory (the CPU KV cache: attention streams it like the
     weights, and the mapping's pages are zero until first written, so nothing is touched
     up front)."""
-    nbytes = dtype.itemsize
-    for n in shape:
-        nbytes *= n
-    return huge_arena(nbytes).view(dtype).view(shape)
+    return huge_arena(math.prod(shape) * dtype.itemsize).view(dtype).view(shape)
 
 
 def _placed(module: nn.Module, min_bytes: int) -> list[nn.Parameter]:
-    """Parameters to move: on the CPU, contiguous, at least ``min_bytes``, each once."""
-    seen: set[int] = set()
-    out = []
-    for p in module.parameters():
-        if (id(p) in seen or p.device.type != "cpu" or not p.is_contiguous()
-                or p.numel() * p.element_size() < min_bytes):
-            continue
-        seen.add(id(p))
-        out.append(p)
-    return out
+    """Parameters to move: on the CPU, contiguous, at least ``min_bytes`` (``parameters()``
+    yields a shared one once)."""
+    return [p for p in module.parameters()
+            if p.device.type == "cpu" and p.is_contiguous() and p.nbytes >= min_bytes]
 
 
 def rehome_parameters(module: nn.Module, min_bytes: int = MIN_BYTES) -> int:
     """Move ``module``'s large CPU parameters into one huge-page arena (values kept);
     returns the bytes moved."""
     params = _placed(module, min_bytes)
-    sizes = [-(-p.numel() * p.element_size() // ALIGN) * ALIGN for p in params]
     if not params:
         return 0
+    sizes = [-(-p.nbytes // ALIGN) * ALIGN for p in params]
     arena = huge_arena(sum(sizes))
     at = 0
     with torch.no_grad():
         for p, size in zip(params, sizes, strict=True):
-            nbytes = p.numel() * p.element_size()
-            home = arena[at : at + nbytes].view(p.dtype).view(p.shape)
+            home = arena[at : at + p.nbytes].view(p.dtype).view(p.shape)
             home.copy_(p.data)
             p.data = home
             at += size

@@ -258,19 +258,18 @@ class Drafter:
         with phase("draft"):
             pages = torch.from_numpy(step.page_table).long()
             committed = torch.from_numpy(step.cached_lens + step.q_lens - 1).long()
-            tree = None
-            if ahead is not None and ahead.fits(step):
-                tree = ahead.tree
+            if ahead is not None and not ahead.fits(step):
+                self.trees["ahead_wasted"] += 1
+                ahead = None
+            elif ahead is not None:
                 self.trees["ahead"] += 1
             # Host-side layout of the verify batch, built before drafting queues device work.
-            verify_meta = None
-            if ahead is not None and tree is ahead.tree and ahead.same_pages(step):
-                verify_meta = ahead.verify_meta
+            verify_meta = (ahead.verify_meta if ahead is not None and ahead.same_pages(step)
+                           else None)
             if verify_meta is None:
                 verify_meta = self._verify_meta(step)
+            tree = ahead.tree if ahead is not None else None
             if tree is None and self.drafts:
-                if ahead is not None:
-                    self.trees["ahead_wasted"] += 1
                 tree = self._draft(*self._draft_inputs(step))
         if self.drafting_rank is not None:
             with phase("tree"):
@@ -319,9 +318,9 @@ class Drafter:
         tree = self._draft(*self._draft_inputs(guess))
         # The verify layout too, where the assumed page table is wide enough for it (used only
         # if the real plan brings that very table).
-        fits = np.all(root + m + cfg.num_draft_tokens <= step.page_table.shape[1] * ps)
+        wide = np.all(root + m + cfg.num_draft_tokens <= step.page_table.shape[1] * ps)
         self.ahead = Ahead(guess, paths, last // ps + 1, tree,
-                           self._verify_meta(guess) if fits else None)
+                           self._verify_meta(guess) if wide else None)
 
     def discard_ahead(self) -> None:
         """A message other than the next speculative step came: the guess is void."""
@@ -392,9 +391,7 @@ class Drafter:
         """Keep the paths' features (unless ``run_ahead`` already kept these very paths),
         then compact the accepted target KV."""
         if self.ahead is None or self.ahead.paths != paths:
-            if self.ahead is not None:
-                self.trees["ahead_wasted"] += 1
-                self.ahead = None
+            self.discard_ahead()
             self.keep(keys, verified, paths)
         self.compact(verified, paths)
 
