@@ -22,12 +22,28 @@
  * thread, so a thread that starts late (or shares its core) leaves the rest to the others. */
 #define CHUNK_BYTES 32768
 #define CHUNKS_PER_THREAD 4
-/* x rows per pass over a chunk: blocks of up to PAIR_XS use the 2-row tiles. One thread, hot
- * weights, 16 rows (tools-only C loop, GFLOP/s): k = 512: 2 x 4 tiles 78, 1 x 8 86; k = 2048
- * (a 4-row fp32 x block is 32 KB, 8 rows overflow L1): 2 x 4 46, 1 x 8 32. */
+/* Most x rows per pass over a chunk: blocks of up to PAIR_XS use the 2-row tiles. AVX-512, one
+ * thread, hot weights, 16 rows (tools-only C loop, GFLOP/s): k = 512: 2 x 4 tiles 78, 1 x 8 86;
+ * k = 2048 (a 4-row fp32 x block is 32 KB, 8 rows overflow L1): 2 x 4 46, 1 x 8 32. AVX2 (one
+ * weight row per tile, 2 accumulators per x row): a 2-vCPU Zen 3, one thread, k = 512, hot,
+ * GMAC/s by x rows 1..8: 9, 15, 20, 22, 24, 24-25, 23, 20 (8 rows spill the 16 registers); the
+ * bench model's projections + lm_head at 16 rows, 2 threads, five alternating runs: median
+ * 24.0 ms with blocks of 6 against 24.9 with blocks of 4. */
 #ifndef XBLOCK
+#if LANES == 16
 #define XBLOCK XPAIR
+#else
+#define XBLOCK 6
 #endif
+#endif
+
+/* Rows in the next x block: the `left` rows are cut into as few blocks of at most XBLOCK as
+ * possible, of near-equal size (8 rows as 4 + 4, not 6 + 2: a small block runs the slow narrow
+ * tiles). Only which rows share a pass changes, never an output's arithmetic. */
+static inline int x_block(int64_t left) {
+    const int64_t blocks = (left + XBLOCK - 1) / XBLOCK;
+    return (int)((left + blocks - 1) / blocks);
+}
 
 #if LANES
 typedef struct {
@@ -79,7 +95,7 @@ static void store_f16(uint16_t *dst, const float *src, int64_t n) {
         float sums[ROWS * XMAX], out[XMAX * SUB_ROWS];                                        \
         for (int64_t i0 = 0; i0 < job->m;) {                                                  \
             const int64_t left = job->m - i0;                                                 \
-            const int xs = left == 1 ? 1 : left < XBLOCK ? (int)left : XBLOCK;                \
+            const int xs = x_block(left);                                                     \
             const float *xb = job->x + i0 * k;                                                \
             uint16_t *yb = job->y + i0 * ldy;                                                 \
             if (xs == 1) { /* streaming-bound: each output rounded as its tile ends */         \
