@@ -550,31 +550,50 @@ def test_prompt_steps_count_against_the_setting_that_runs() -> None:
     assert driver.carry == 0.0  # pinned settings: nothing is charged later
 
 
-@pytest.mark.parametrize(("feed_ms", "plain_ms", "follow"),
-                         [(0.0, 21.0, True), (6.0, 21.0, False), (0.0, 15.0, False)])
-def test_following_is_judged_against_unfollowed_plain_decoding(feed_ms: float, plain_ms: float,
-                                                               follow: bool) -> None:
-    """Plain steps that feed the draft cost more than plain decoding without it (21 ms here,
-    6 of them feeding): speculation (~480-514 tok/s at batch 8 on the fake machine) beats
-    the fed plain steps (381) but not plain decoding unfollowed (533), so new requests are
-    not followed. Where the same 21 ms is all target forward, following pays; where plain
-    steps take 15 ms (533 tok/s), speculation is short of the margin it needs to be chosen
-    at batch 8 (the old 10% slack in its favour followed there), and following would only
-    feed the draft through plain steps."""
-    allowed = candidates(TREE, 8, shapes_fixed=False)
-    chooser = AdaptiveChooser(TREE, allowed)
-    rng = random.Random(6)
-    for _ in range(200):
+def run_fed_burst(chooser: AdaptiveChooser, rng: random.Random, steps: int = 200
+                  ) -> list[Setting]:
+    """Batch 8 on the fake machine, every request followed: plain steps feed the draft and
+    take 21 ms (381 tok/s); speculation makes ~480-514 tok/s. Returns the picks."""
+    picks = []
+    for _ in range(steps):
         s = chooser.choose(8)
+        picks.append(s)
         if s.off:
-            chooser.observe(s, 8, plain_ms, plain_ms - feed_ms, feed_ms, 8)
+            chooser.observe(s, 8, 21.0, 21.0, 0.0, 8)
             continue
         accs = accepted(s, 8, rng)
         ms = true_step_ms(s, 8) - 0.5 * 8 + 18.0 - 8.0  # the same plain forward inside
         draft = s.steps * (1.5 + 0.6 * 8 * s.topk)
         chooser.observe(s, 8, ms, ms - draft, draft, 8 + sum(len(a.nodes) - 1 for a in accs))
         chooser.observe_accepts(s, accs)
+    return picks
+
+
+@pytest.mark.parametrize(("unfollowed_ms", "follow"), [(None, False), (21.0, True),
+                                                       (15.0, False)])
+def test_following_is_judged_against_unfollowed_plain_decoding(unfollowed_ms: float | None,
+                                                               follow: bool) -> None:
+    """Speculation (~500 tok/s at batch 8) beats plain steps that feed the draft (381) by
+    more than the margin it needs there (20%), but that is not the figure to beat: with
+    one drafting rank, rank 0 cannot see what following costs (the demo pair at 8 clients:
+    fed plain steps 5.0 ms, unfollowed ~4.1, and a chain chosen over the fed ones ran at
+    0.67-0.79x of a server without a draft). Unmeasured, unfollowed plain decoding is
+    probed: new requests go unfollowed. Measured as cheap as the fed steps (21 ms),
+    following pays; measured at 15 ms (533 tok/s), it does not, and plain decoding is the
+    choice."""
+    chooser = AdaptiveChooser(TREE, candidates(TREE, 8, shapes_fixed=False))
+    rng = random.Random(6)
+    assert not run_fed_burst(chooser, rng)[-1].off  # chosen over the fed plain steps
+    if unfollowed_ms is not None:
+        for _ in range(20):  # the probe's requests decode plainly, feeding nothing
+            chooser.choose(8)
+            chooser.observe(OFF, 8, unfollowed_ms, unfollowed_ms, 0.0, 8, fed=False)
+        chooser._follow.clear()  # judged again now, not after decide_every steps
     assert chooser.worth_following(8) is follow, chooser.snapshot()
+    if unfollowed_ms is not None:
+        picks = run_fed_burst(chooser, rng, 40)  # followed again: the choice follows suit
+        assert sum(p.off is not follow for p in picks) >= 36, chooser.snapshot()
+        assert "off-unfollowed" in chooser.snapshot()["by_batch"]["8"]
 
 
 def test_a_shrinking_batch_does_not_inflate_a_measured_rate() -> None:

@@ -93,9 +93,9 @@ class AdaptiveDriver:
         return ConfigChange(speculative=settings_for(choice, spec))
 
     def observe(self, setting: Setting, kind: str, batch: int, seconds: float,
-                appended: int, stalled: bool = True) -> None:
+                appended: int, stalled: bool = True, fed: bool = True) -> None:
         """After a step of ``kind`` with ``batch`` decoding requests: its wall time, forward
-        and draft time, tokens appended.
+        and draft time, tokens appended, whether it ``fed`` the draft.
 
         Prompt work costs every setting about alike: prompt chunks ride in mixed steps,
         whose running requests decode plainly whatever the setting, so a mixed step is not
@@ -118,7 +118,7 @@ class AdaptiveDriver:
             draft = (ph.get("draft", 0.0) + ph.get("tree", 0.0) if not setting.off
                      else ph.get("feed", 0.0))
             self.chooser.observe(setting, batch, 1e3 * (seconds + self.carry), 1e3 * forward,
-                                 1e3 * draft, appended)
+                                 1e3 * draft, appended, fed)
             self.carry = 0.0
         self.phases = {}
 

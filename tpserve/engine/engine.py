@@ -82,6 +82,8 @@ class Engine:
         # This step's _follow_new(), decided once in next_batch: the chooser's predictions
         # behind it cost ~75 us, and admission and the draft feed must agree anyway.
         self.follow_new = False
+        # Whether the last step fed the draft (the chooser tells unfollowed plain steps apart).
+        self.fed = False
         # Work the last step left for after the next message went out (``defer``).
         self._deferred: list[Callable[[], None]] = []
 
@@ -225,6 +227,7 @@ class Engine:
         setting = None
         if self.adaptive is not None and self.spec is not None:
             setting = current_setting(self.spec) if speculating else OFF
+        self.fed = speculating  # a plain step sets it: whether it fed the draft
         if speculating:
             appended = self._spec_step(batch)
         else:
@@ -237,7 +240,8 @@ class Engine:
             decoding = sum(1 for q in batch.q_lens if q == 1)
             # A prompt step held back running requests (else it costs every setting alike).
             stalled = len(self.scheduler.running) > len(batch.requests)
-            self.adaptive.observe(setting, batch.kind, decoding, seconds, appended, stalled)
+            self.adaptive.observe(setting, batch.kind, decoding, seconds, appended, stalled,
+                                  self.fed)
 
     def _phase(self, name: str) -> AbstractContextManager[None]:
         inner = self.profiler.phase(name)
@@ -266,6 +270,7 @@ class Engine:
             msg = replace(msg, feed=self.spec.draft_feed(batch.requests, self._live(),
                                                           batch.q_lens, self.follow_new,
                                                           self._release()))
+            self.fed = msg.feed is not None and len(msg.feed.rows) > 0
         self._publish(msg)
         with self._phase(batch.kind):
             out = run_forward(self.runner, self.spec, msg)
