@@ -32,6 +32,10 @@ Four rules keep it honest and calm:
   faster than plain decoding to be chosen at all;
 - candidates are only settings whose KV lookahead was reserved at launch, and when forwards
   are captured or compiled per shape, only the captured shape (or plain decoding).
+
+Plain decoding is judged as it runs once the draft lets its requests go: plain steps that
+fed the draft nothing are timed apart (``UNFOLLOWED``), and where they have not been timed
+at a bucket, new requests there go unfollowed once to time them (``worth_following``).
 """
 
 from __future__ import annotations
