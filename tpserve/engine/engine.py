@@ -82,8 +82,6 @@ class Engine:
         # This step's _follow_new(), decided once in next_batch: the chooser's predictions
         # behind it cost ~75 us, and admission and the draft feed must agree anyway.
         self.follow_new = False
-        # Whether the last step fed the draft (the chooser tells unfollowed plain steps apart).
-        self.fed = False
         # Work the last step left for after the next message went out (``defer``).
         self._deferred: list[Callable[[], None]] = []
 
@@ -227,11 +225,10 @@ class Engine:
         setting = None
         if self.adaptive is not None and self.spec is not None:
             setting = current_setting(self.spec) if speculating else OFF
-        self.fed = speculating  # a plain step sets it: whether it fed the draft
         if speculating:
-            appended = self._spec_step(batch)
+            appended, fed = self._spec_step(batch), True
         else:
-            appended = self._forward_step(batch)
+            appended, fed = self._forward_step(batch)
         seconds = time.perf_counter() - start
         self._account(batch, appended, seconds)
         if not self.scheduler.has_work():
@@ -241,7 +238,7 @@ class Engine:
             # A prompt step held back running requests (else it costs every setting alike).
             stalled = len(self.scheduler.running) > len(batch.requests)
             self.adaptive.observe(setting, batch.kind, decoding, seconds, appended, stalled,
-                                  self.fed)
+                                  fed)
 
     def _phase(self, name: str) -> AbstractContextManager[None]:
         inner = self.profiler.phase(name)
@@ -263,14 +260,15 @@ class Engine:
     def _live(self) -> list[Request]:
         return [*self.scheduler.running, *self.scheduler.waiting]
 
-    def _forward_step(self, batch: ScheduledBatch) -> int:
+    def _forward_step(self, batch: ScheduledBatch) -> tuple[int, bool]:
+        """A plain step: (tokens appended, whether it fed the draft; the chooser times
+        unfollowed plain steps apart)."""
         prof = self.profiler
         msg = self.scheduler.plan(batch)
         if self.spec is not None:
             msg = replace(msg, feed=self.spec.draft_feed(batch.requests, self._live(),
                                                           batch.q_lens, self.follow_new,
                                                           self._release()))
-            self.fed = msg.feed is not None and len(msg.feed.rows) > 0
         self._publish(msg)
         with self._phase(batch.kind):
             out = run_forward(self.runner, self.spec, msg)
@@ -282,7 +280,8 @@ class Engine:
         with prof.phase("output"):
             for req, q in zip(batch.requests, batch.q_lens):
                 req.num_cached += q
-            return self._commit([(req, [tok], [lp]) for req, (tok, lp) in sampled])
+            appended = self._commit([(req, [tok], [lp]) for req, (tok, lp) in sampled])
+        return appended, msg.feed is not None and len(msg.feed.rows) > 0
 
     def _spec_step(self, batch: ScheduledBatch) -> int:
         """Draft + verify on every rank, acceptance here, then the same commit on all."""

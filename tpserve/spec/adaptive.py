@@ -454,8 +454,10 @@ class AdaptiveChooser:
         # through steps the chooser kept plain, ~1 ms each.
         margin = 1 + self.plain_margin(bucket)
         free = self._unfollowed(bucket)
-        if free is not None and self.steps - free.last_step <= self.cfg.refollow_every:
-            return max(spec) >= max(free.request_tok_s, off.request_tok_s) * margin
+        plain = self.predict(bucket, OFF)  # unfollowed where measured, never under ``off``
+        if free is not None and plain is not None \
+                and self.steps - free.last_step <= self.cfg.refollow_every:
+            return max(spec) >= plain * margin
         # Not known here: where speculation could lose to it, new requests go unfollowed
         # once to measure it (a probe: they decode plainly). The fed plain steps (``off``)
         # are no guide, since the drafting rank's share of the feeding does not show in rank
