@@ -27,8 +27,9 @@
  * k = 2048 (a 4-row fp32 x block is 32 KB, 8 rows overflow L1): 2 x 4 46, 1 x 8 32. AVX2 (one
  * weight row per tile, 2 accumulators per x row): a 2-vCPU Zen 3, one thread, k = 512, hot,
  * GMAC/s by x rows 1..8: 9, 15, 20, 22, 24, 24-25, 23, 20 (8 rows spill the 16 registers); the
- * bench model's projections + lm_head at 16 rows, 2 threads, five alternating runs: median
- * 24.0 ms with blocks of 6 against 24.9 with blocks of 4. */
+ * bench model's projections + lm_head, 2 threads, five alternating runs, median ms: even
+ * blocks of up to 6 (x_block) against blocks of 4, 22.5 vs 27.5 at 16 rows, 72.7 vs 83.4 at
+ * 64, 13.6 vs 13.2 at 8 (noise). */
 #ifndef XBLOCK
 #if LANES == 16
 #define XBLOCK XPAIR
