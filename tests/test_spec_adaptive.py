@@ -224,9 +224,9 @@ class AuxSpy:
         self.calls: list[bool] = []
         inner = runner.forward  # type: ignore[attr-defined]
 
-        def forward(step, rows, aux_layers=()):  # type: ignore[no-untyped-def]
+        def forward(step, rows, aux_layers=(), host_work=None):  # type: ignore[no-untyped-def]
             self.calls.append(bool(aux_layers))
-            return inner(step, rows, aux_layers)
+            return inner(step, rows, aux_layers, host_work=host_work)
 
         runner.forward = forward  # type: ignore[attr-defined]
 

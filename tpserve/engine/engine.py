@@ -84,6 +84,9 @@ class Engine:
         self.follow_new = False
         # Work the last step left for after the next message went out (``defer``).
         self._deferred: list[Callable[[], None]] = []
+        # Requests whose output events the last plain step left for the next forward to send
+        # (``_commit(overlap=True)``, ``HostWork``).
+        self._events: list[Request] = []
 
     def submit(self, cmd: Command) -> None:
         self.inbox.put(cmd)
@@ -144,6 +147,16 @@ class Engine:
         work, self._deferred = self._deferred, []
         for fn in work:
             fn()
+        events = self._take_events()
+        if events is not None:  # more of the step's output phase (or of an idle moment)
+            start = time.perf_counter()
+            events()
+            self.profiler.record("output", time.perf_counter() - start, entry=False)
+
+    def _take_events(self) -> Callable[[], None] | None:
+        """Sending the events the last plain step left, as one call (None when none)."""
+        reqs, self._events = self._events, []
+        return (lambda: self._emit(reqs)) if reqs else None
 
     def _drain(self, block: bool) -> None:
         try:
@@ -269,9 +282,12 @@ class Engine:
             msg = replace(msg, feed=self.spec.draft_feed(batch.requests, self._live(),
                                                           batch.q_lens, self.follow_new,
                                                           self._release()))
+        # The last step's events go out from inside this forward (HostWork); their time is
+        # then part of this phase's.
+        events = self._take_events()
         self._publish(msg)
         with self._phase(batch.kind):
-            out = run_forward(self.runner, self.spec, msg)
+            out = run_forward(self.runner, self.spec, msg, events)
         if self.adaptive is not None and self.spec is not None:
             self.adaptive.record("feed", self.spec.feed_seconds)
         with prof.phase("sample"):
@@ -280,7 +296,8 @@ class Engine:
         with prof.phase("output"):
             for req, q in zip(batch.requests, batch.q_lens):
                 req.num_cached += q
-            appended = self._commit([(req, [tok], [lp]) for req, (tok, lp) in sampled])
+            appended = self._commit([(req, [tok], [lp]) for req, (tok, lp) in sampled],
+                                    overlap=True)
         return appended, msg.feed is not None and len(msg.feed.rows) > 0
 
     def _spec_step(self, batch: ScheduledBatch) -> int:
@@ -355,12 +372,14 @@ class Engine:
         return [(t, (t, lp, top)) for t, lp, top in zip(tokens, lps, tops)]
 
     def _commit(self, outputs: list[Output],
-                before_emit: Callable[[], None] | None = None, defer: bool = False) -> int:
+                before_emit: Callable[[], None] | None = None, defer: bool = False,
+                overlap: bool = False) -> int:
         """The one place tokens join a request (stop checks, text, streaming); returns how
         many were appended. A request whose text handling fails is failed alone.
         ``before_emit`` runs once every token is appended (statistics the events report);
-        ``defer``: the events go out after the next message (``defer``), finished requests
-        are released now either way (the next plan must not include them)."""
+        ``defer``: the events go out after the next message (``defer``); ``overlap``: from
+        inside the next plain forward (``HostWork``), or at the next ``flush``. Finished
+        requests are released now either way (the next plan must not include them)."""
         appended, failed = 0, set()
         for req, tokens, logprobs in outputs:
             try:
@@ -372,7 +391,9 @@ class Engine:
         if before_emit is not None:
             before_emit()
         emitting = [req for req, _, _ in outputs if id(req) not in failed]
-        if defer:
+        if overlap:
+            self._events.extend(emitting)
+        elif defer:
             self.defer(lambda: self._emit_later(emitting))
         else:
             self._emit(emitting)  # inside the caller's "output" phase

@@ -7,6 +7,7 @@ messages in the same order.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any, Protocol
 
@@ -32,14 +33,16 @@ class Channel(Protocol):
     def recv(self) -> Any: ...
 
 
-def run_forward(runner: ModelRunner, spec: SpecDecoder | None, step: ForwardStep) -> ForwardOutput:
+def run_forward(runner: ModelRunner, spec: SpecDecoder | None, step: ForwardStep,
+                host_work: Callable[[], None] | None = None) -> ForwardOutput:
     """A forward step; with a draft loaded it also feeds the draft (so speculation can be
-    switched on live for requests that are already running)."""
+    switched on live for requests that are already running). ``host_work``: see
+    ``ModelRunner.forward``."""
     if step.feed is not None:
         if spec is None:
             raise RuntimeError("a step fed the draft, but this rank has no draft model")
-        return spec.feed(step)
-    return runner.forward(step, step.logit_rows)
+        return spec.feed(step, host_work)
+    return runner.forward(step, step.logit_rows, host_work=host_work)
 
 
 def tag_allreduces(comm: CommSwitch | None) -> PhaseScope:

@@ -11,11 +11,33 @@ such batches are bucketed for CUDA graphs / torch.compile, padded with inert req
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import torch
 
 from tpserve.layers.attention.metadata import AttentionMetadata
+
+
+@dataclass
+class HostWork:
+    """Host work a forward runs once, as it enters its long native call: rank 0's output
+    events of the previous step (``Engine._forward_step``).
+
+    Why: each streamed token costs the HTTP thread ~0.9 ms of Python (the SSE event, the
+    middleware, the socket write), and it holds the GIL meanwhile. Sent between steps, that
+    work ran while the engine thread wanted the GIL for its own host work (sampling,
+    scheduling, the next layout), so the two queued behind each other; sent just before the
+    fused layer stack (which holds no GIL for milliseconds), it runs beside the weight
+    stream. Models without such a call run it at the start of their forward, the runner at
+    the end at the latest."""
+
+    fn: Callable[[], None] | None = None
+
+    def run(self) -> None:
+        fn, self.fn = self.fn, None
+        if fn is not None:
+            fn()
 
 
 @dataclass
@@ -24,6 +46,7 @@ class ForwardBatch:
     positions: torch.Tensor  # [N] int64
     attn: AttentionMetadata
     queries: int  # rows per request when uniform, else 0
+    host_work: HostWork = field(default_factory=HostWork)
 
     @property
     def batch_size(self) -> int:

@@ -54,11 +54,12 @@ class StepProfiler:
             self.phase_seconds[name] = self.phase_seconds.get(name, 0.0) + time.perf_counter() - start
             self.phase_entries[name] = self.phase_entries.get(name, 0) + 1
 
-    def record(self, name: str, seconds: float) -> None:
-        """Charge time measured elsewhere (e.g. by the speculative worker) to a phase."""
+    def record(self, name: str, seconds: float, entry: bool = True) -> None:
+        """Charge time measured elsewhere (e.g. by the speculative worker) to a phase;
+        without ``entry``, as more of a phase this step already entered."""
         if self.enabled:
             self.phase_seconds[name] = self.phase_seconds.get(name, 0.0) + seconds
-            self.phase_entries[name] = self.phase_entries.get(name, 0) + 1
+            self.phase_entries[name] = self.phase_entries.get(name, 0) + int(entry)
 
     def step(self, start: float | None = None) -> AbstractContextManager[None]:
         """Wraps one whole engine step (the reference the phases must add up to).

@@ -7,12 +7,14 @@ batches larger than every bucket, run eagerly.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from tpserve.dist import CommSwitch
+from tpserve.engine.forward_batch import HostWork
 from tpserve.engine.kv_cache import KVCache
 from tpserve.engine.plan import BatchLayout, build_forward_batch
 from tpserve.engine.static_forward import StaticExecutor, StaticForward, decode_forward, run_static
@@ -40,15 +42,23 @@ class ModelRunner:
         self.threads = StepThreads.for_device(device)
 
     @torch.inference_mode()
-    def forward(self, step: BatchLayout, logit_rows: Any,
-                aux_layers: tuple[int, ...] = ()) -> ForwardOutput:
-        """Run ``step``; logits only for ``logit_rows`` (rows of the ragged batch)."""
+    def forward(self, step: BatchLayout, logit_rows: Any, aux_layers: tuple[int, ...] = (),
+                host_work: Callable[[], None] | None = None) -> ForwardOutput:
+        """Run ``step``; logits only for ``logit_rows`` (rows of the ragged batch).
+        ``host_work`` runs once during the forward (``HostWork``)."""
         self.threads.fit(len(step.token_ids))
         batch = build_forward_batch(step, self.page_size, self.device)
+        batch.host_work = work = HostWork(host_work)
+        if self.static is not None:
+            work.run()  # a compiled run or a graph replay has no Python inside to run it
         rows = torch.as_tensor(logit_rows, dtype=torch.long).to(self.device)
-        if batch.queries == 1 and not aux_layers:
-            logits, hidden = run_static(self.static, self.decode_forward, batch, {})
-            return ForwardOutput(logits=logits.index_select(0, rows), hidden=hidden, aux=[])
-        hidden, aux = self.model(batch, self.kv.layers, aux_layers)
-        logits = self.model.logits(hidden.index_select(0, rows))
-        return ForwardOutput(logits=logits, hidden=hidden, aux=aux)
+        try:
+            if batch.queries == 1 and not aux_layers:
+                logits, hidden = run_static(self.static, self.decode_forward, batch, {})
+                return ForwardOutput(logits=logits.index_select(0, rows), hidden=hidden,
+                                     aux=[])
+            hidden, aux = self.model(batch, self.kv.layers, aux_layers)
+            logits = self.model.logits(hidden.index_select(0, rows))
+            return ForwardOutput(logits=logits, hidden=hidden, aux=aux)
+        finally:
+            work.run()  # a model that never started it

@@ -60,6 +60,8 @@ class DecoderLM(nn.Module):
     def forward(self, batch: ForwardBatch, kv: list[tuple[torch.Tensor, ...]],
                 aux_layers: tuple[int, ...] = ()) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """Returns final-normed hidden [N, H] and the inputs of ``aux_layers`` (same shape)."""
+        if not torch.compiler.is_compiling():
+            batch.host_work.run()  # layer by layer from Python: no long native call to wait for
         x = self.embed_tokens(batch.input_ids)
         rotary = self.rotary.at(batch.positions, x.dtype)
         attend = self.bind_attention(batch)

@@ -130,6 +130,7 @@ class LlamaForCausalLM(DecoderLM):
         meta, spec = self.attention.prepare(batch.attn).meta, self.attention.spec
         aux: list[torch.Tensor] = []
         start = 0
+        batch.host_work.run()  # beside the native stack, which holds no GIL (HostWork)
         for end in sorted({i for i in aux_layers if i < self.cfg.num_layers}
                           | {self.cfg.num_layers}):
             x = stack.run(x, rotary.cos, rotary.sin, meta, spec.window, spec.scale, kv, start,

@@ -10,7 +10,7 @@ reaches into it, and it never reaches into the engine.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -72,8 +72,9 @@ class SpecDecoder:
 
     # ---- every rank ----
 
-    def feed(self, step: ForwardStep) -> ForwardOutput:
-        return self.drafter.feed(step)
+    def feed(self, step: ForwardStep, host_work: Callable[[], None] | None = None
+             ) -> ForwardOutput:
+        return self.drafter.feed(step, host_work)
 
     @property
     def feed_seconds(self) -> float:

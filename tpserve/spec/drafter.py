@@ -146,7 +146,8 @@ class Drafter:
         return self.draft.project(torch.cat([aux[i] for i in self.aux_order], dim=-1))
 
     @torch.inference_mode()
-    def feed(self, step: ForwardStep) -> ForwardOutput:
+    def feed(self, step: ForwardStep, host_work: Callable[[], None] | None = None
+             ) -> ForwardOutput:
         """A plain target forward, with aux states when the draft follows any of its
         requests; then the draft over those requests' tokens."""
         assert step.feed is not None
@@ -154,8 +155,8 @@ class Drafter:
         self.forget(feed.drop)
         self.feed_seconds = 0.0
         if not len(feed.rows):
-            return self.runner.forward(step, step.logit_rows)
-        out = self.runner.forward(step, step.logit_rows, self.aux_sorted)
+            return self.runner.forward(step, step.logit_rows, host_work=host_work)
+        out = self.runner.forward(step, step.logit_rows, self.aux_sorted, host_work=host_work)
         start = time.perf_counter()
         self._feed_rows(step, feed, out)
         self.feed_seconds = time.perf_counter() - start
