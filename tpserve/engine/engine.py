@@ -85,7 +85,7 @@ class Engine:
         # Work the last step left for after the next message went out (``defer``).
         self._deferred: list[Callable[[], None]] = []
         # Requests whose output events the last plain step left for the next forward to send
-        # (``_commit(overlap=True)``, ``HostWork``).
+        # (``_commit``, ``HostWork``).
         self._events: list[Request] = []
 
     def submit(self, cmd: Command) -> None:
@@ -296,8 +296,7 @@ class Engine:
         with prof.phase("output"):
             for req, q in zip(batch.requests, batch.q_lens):
                 req.num_cached += q
-            appended = self._commit([(req, [tok], [lp]) for req, (tok, lp) in sampled],
-                                    overlap=True)
+            appended = self._commit([(req, [tok], [lp]) for req, (tok, lp) in sampled])
         return appended, msg.feed is not None and len(msg.feed.rows) > 0
 
     def _spec_step(self, batch: ScheduledBatch) -> int:
@@ -372,13 +371,12 @@ class Engine:
         return [(t, (t, lp, top)) for t, lp, top in zip(tokens, lps, tops)]
 
     def _commit(self, outputs: list[Output],
-                before_emit: Callable[[], None] | None = None, defer: bool = False,
-                overlap: bool = False) -> int:
+                before_emit: Callable[[], None] | None = None, defer: bool = False) -> int:
         """The one place tokens join a request (stop checks, text, streaming); returns how
         many were appended. A request whose text handling fails is failed alone.
-        ``before_emit`` runs once every token is appended (statistics the events report);
-        ``defer``: the events go out after the next message (``defer``); ``overlap``: from
-        inside the next plain forward (``HostWork``), or at the next ``flush``. Finished
+        ``before_emit`` runs once every token is appended (statistics the events report).
+        The events go out from inside the next plain forward (``HostWork``) or at the next
+        ``flush``; with ``defer``, right after the next message (``defer``). Finished
         requests are released now either way (the next plan must not include them)."""
         appended, failed = 0, set()
         for req, tokens, logprobs in outputs:
@@ -391,12 +389,10 @@ class Engine:
         if before_emit is not None:
             before_emit()
         emitting = [req for req, _, _ in outputs if id(req) not in failed]
-        if overlap:
-            self._events.extend(emitting)
-        elif defer:
+        if defer:
             self.defer(lambda: self._emit_later(emitting))
         else:
-            self._emit(emitting)  # inside the caller's "output" phase
+            self._events.extend(emitting)
         self.scheduler.release_finished()
         return appended
 
