@@ -99,7 +99,7 @@ static void store_f16(uint16_t *dst, const float *src, int64_t n) {
 #define DEFINE_CHUNK(FMT)                                                                     \
     static void chunk_##FMT(const gemm_job *job, int64_t r0, int64_t r1) {                     \
         const int64_t k = job->k, ldw = job->ldw, ldy = job->ldy;                              \
-        float sums[ROWS * XMAX], out[XMAX * SUB_ROWS];                                        \
+        float sums[ROWS], out[XMAX * SUB_ROWS];                                               \
         for (int64_t i0 = 0; i0 < job->m;) {                                                  \
             const int64_t left = job->m - i0;                                                 \
             const int xs = x_block(left);                                                     \
@@ -108,11 +108,11 @@ static void store_f16(uint16_t *dst, const float *src, int64_t n) {
             if (xs == 1) { /* streaming-bound: each output rounded as its tile ends */         \
                 int64_t r = r0;                                                               \
                 for (; r + ROWS <= r1; r += ROWS) {                                           \
-                    STREAM_TILE(FMT)(job->w + r * ldw, ldw, xb, k, k, sums);                  \
+                    STREAM_TILE(FMT)(job->w + r * ldw, ldw, xb, k, k, sums, ROWS);            \
                     for (int q = 0; q < ROWS; q++) yb[r + q] = f32_to_##FMT(sums[q]);         \
                 }                                                                             \
                 for (; r < r1; r++) {                                                         \
-                    one_row_tiles_##FMT[1](job->w + r * ldw, ldw, xb, k, k, sums);            \
+                    one_row_tiles_##FMT[1](job->w + r * ldw, ldw, xb, k, k, sums, 1);         \
                     yb[r] = f32_to_##FMT(sums[0]);                                            \
                 }                                                                             \
                 i0 += 1;                                                                      \
@@ -122,17 +122,12 @@ static void store_f16(uint16_t *dst, const float *src, int64_t n) {
                 const int64_t re = rb + SUB_ROWS < r1 ? rb + SUB_ROWS : r1;                   \
                 int64_t r = rb;                                                               \
                 if (xs <= PAIR_XS)                                                            \
-                    for (; r + 2 <= re; r += 2) {                                             \
-                        two_row_tiles_##FMT[xs](job->w + r * ldw, ldw, xb, k, k, sums);       \
-                        for (int j = 0; j < xs; j++) {                                        \
-                            out[j * SUB_ROWS + r - rb] = sums[j * 2];                         \
-                            out[j * SUB_ROWS + r - rb + 1] = sums[j * 2 + 1];                 \
-                        }                                                                     \
-                    }                                                                         \
-                for (; r < re; r++) {                                                         \
-                    one_row_tiles_##FMT[xs](job->w + r * ldw, ldw, xb, k, k, sums);           \
-                    for (int j = 0; j < xs; j++) out[j * SUB_ROWS + r - rb] = sums[j];        \
-                }                                                                             \
+                    for (; r + 2 <= re; r += 2)                                               \
+                        two_row_tiles_##FMT[xs](job->w + r * ldw, ldw, xb, k, k,              \
+                                                out + (r - rb), SUB_ROWS);                    \
+                for (; r < re; r++)                                                           \
+                    one_row_tiles_##FMT[xs](job->w + r * ldw, ldw, xb, k, k, out + (r - rb),  \
+                                            SUB_ROWS);                                        \
                 for (int j = 0; j < xs; j++)                                                  \
                     store_##FMT(yb + j * ldy + rb, out + j * SUB_ROWS, re - rb);              \
             }                                                                                 \
