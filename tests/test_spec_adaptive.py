@@ -140,9 +140,10 @@ def test_reset_forgets_every_measurement() -> None:
 
 def test_new_requests_are_followed_where_speculation_may_pay() -> None:
     """Where plain decoding measured clearly faster, new requests are not followed (they
-    would pay for feeding the draft and never speculate), except when speculation there has
-    not been measured for ``refollow_every`` steps; unmeasured batch sizes are always
-    followed."""
+    would pay for feeding the draft and never speculate), except when speculation there is
+    due for a re-measurement: ``refresh_every`` steps after it was timed, then twice as long
+    after each re-measurement that confirmed it far below, up to ``refollow_every``.
+    Unmeasured batch sizes are always followed."""
     allowed = candidates(TREE, 8, shapes_fixed=False)
     chooser = AdaptiveChooser(TREE, allowed)
     rng = random.Random(1)
@@ -151,10 +152,25 @@ def test_new_requests_are_followed_where_speculation_may_pay() -> None:
     drive(chooser, 16, 100, rng)
     assert chooser.worth_following(1)  # speculation wins at batch 1 on the fake machine
     assert not chooser.worth_following(16) and not chooser.worth_following(12)
-    drive(chooser, 1, chooser.cfg.refresh_every + 1, rng)  # a refresh is due, not a refollow
-    assert not chooser.worth_following(16)
-    drive(chooser, 1, chooser.cfg.refollow_every, rng)  # batch 16's spec data grow stale
-    assert chooser.worth_following(16)
+    cfg = chooser.cfg
+    waits = []
+    while not waits or waits[-1] < cfg.refollow_every:
+        waited = 0
+        while not chooser.worth_following(16):
+            drive(chooser, 1, 64, rng)
+            waited += 64
+            chooser._follow.clear()  # judged again now, not after decide_every steps
+            assert waited <= 2 * cfg.refollow_every, chooser.snapshot()
+        waits.append(waited)
+        picks = drive(chooser, 16, 40, rng)  # followed: speculation there is re-measured
+        assert not all(p.off for p in picks) and picks[-1].off, picks
+        chooser._follow.clear()
+        assert not chooser.worth_following(16)
+    # Roughly refresh_every, then doubling (the waits count batch-1 steps in 64s, and the
+    # batch-16 steps between them count too): never refollow_every from the start.
+    assert waits[0] <= cfg.refresh_every + 64, waits
+    assert all(b >= a for a, b in zip(waits, waits[1:], strict=False)), waits
+    assert len(waits) >= 4, waits
 
 
 @pytest.fixture(scope="module")
@@ -707,3 +723,55 @@ def test_a_re_measurement_the_step_could_not_run_keeps_the_old_figures() -> None
         assert measured is None or measured.tok_s < 1e4
     drive(chooser, 1, 50, random.Random(5))  # and a setting that runs again is re-timed
     assert all(not c.restart for c in chooser.costs[1].values() if c.last_step > 300)
+
+
+def run_requests(pick: AdaptiveChooser | Setting, rng: random.Random, slow: Any,
+                 steps: int, tokens_per_request: int = 64) -> list[tuple[int, float]]:
+    """Batch-1 requests one after another on the demo-shaped machine (``run_varying``'s
+    costs, rates 0.85 / 0.9, ``slow(i)`` times slower at step i), each asking the chooser
+    whether the draft follows it: an unfollowed one decodes plainly to its end, feeding
+    nothing, as in the engine. Per step: (tokens, ms)."""
+    rates = {1: 0.85, 2: 0.9}
+    out: list[tuple[int, float]] = []
+    followed, left = True, 0
+    for i in range(steps):
+        chooser = pick if isinstance(pick, AdaptiveChooser) else None
+        if left <= 0:
+            followed, left = chooser is None or chooser.worth_following(1), tokens_per_request
+        if chooser is None:
+            s = pick
+        else:
+            s = chooser.choose(1) if followed else chooser.step_aside(1)
+        accs = [] if s.off else accepted(s, 1, rng, rates)
+        tokens = 1 + sum(len(a.nodes) - 1 for a in accs)
+        draft = 0.0 if s.off else s.steps * (0.26 if s.topk == 1 else 0.3)
+        ms = demo_step_ms(s) * (1 + rng.uniform(-0.03, 0.03)) * slow(i)
+        if chooser is not None:
+            chooser.observe(s, 1, ms, ms - draft - 0.6 * (not s.off), draft, tokens,
+                            fed=followed)
+            if accs:
+                chooser.observe_accepts(s, accs)
+        out.append((tokens, ms))
+        left -= tokens
+    return out
+
+
+def test_speculation_timed_in_a_very_slow_stretch_comes_back_soon() -> None:
+    """The machine runs 10x slower for 300 steps (a profiler attached to the demo pair's
+    drafting rank measured its tree at 27 ms a step against ~3), long enough for the chooser
+    to time plain decoding there too and leave the tree. Plain decoding is re-timed as it
+    runs, unfollowed, once the machine is fast again; the tree, predicted far below it, used
+    to wait ``refollow_every`` (4096) steps for a re-measurement, its requests unfollowed:
+    ~0.6x of the tree pinned for 2000 steps after the stretch. Now the first re-measurement
+    comes ``refresh_every`` steps after the last one, and the tree returns."""
+    slow = lambda i: 10.0 if 100 <= i < 400 else 1.0  # noqa: E731
+    for seed in range(3):
+        chooser = AdaptiveChooser(TREE, candidates(TREE, 8, shapes_fixed=False))
+        steps = run_requests(chooser, random.Random(seed), slow, 2600)[600:]
+        pinned = run_requests(TREE, random.Random(seed), slow, 2600)[600:]
+
+        def rate(run: list[tuple[int, float]]) -> float:
+            return sum(t for t, _ in run) / sum(ms for _, ms in run)
+
+        assert rate(steps) >= 0.9 * rate(pinned), (seed, rate(steps) / rate(pinned),
+                                                   chooser.snapshot())

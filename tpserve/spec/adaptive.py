@@ -152,6 +152,9 @@ class Costs:
     # plainly), and an emptied window read as a rate of 0 requests over ~0 ms: the demo
     # pair's chooser showed 4/1/5 at 3e9 tok/s at batch 1 after 8-client bursts.
     restart: bool = False
+    # Re-measurements in a row that found this setting far below the best here: each doubles
+    # the wait before the next one, from ``refresh_every`` up to ``refollow_every``.
+    backoff: int = 0
 
     def restart_window(self) -> None:
         if self.restart:
@@ -445,8 +448,7 @@ class AdaptiveChooser:
         # the demo pair's 8-client bursts fed: plain steps of 5.55 ms against ~4.85 on a
         # server without a draft. Requests admitted while a burst ramps up are followed for
         # their first MAX_DEFERRED tokens anyway.
-        if any(self.steps - c.last_step > self.cfg.refollow_every
-               for s, c in table.items() if not s.off):
+        if any(self._due(bucket, s, c) for s, c in table.items() if not s.off):
             return True
         # Against plain decoding as it runs unfollowed, and by the margin speculation needs
         # to be chosen: following where it was 10% short of that (an old slack) fed every
@@ -500,34 +502,56 @@ class AdaptiveChooser:
         if (self.probe_from is not None
                 or self.steps - table[stale].last_step <= self.cfg.refresh_every):
             return None
-        preds = [p for s in table if (p := self.predict(bucket, s)) is not None]
-        best = max(preds, default=None)
+        best = self._best(bucket)
         due = [s for s in table
                if self.steps - table[s].last_step > self._refresh_interval(bucket, s, best)]
         if not due:
             return None
         stale = min(due, key=lambda s: table[s].last_step)
         table[stale].restart = True
+        table[stale].backoff += 1  # undone when it is judged near the best again
         if stale != self.current:
             self.probe_from = self.current
         return stale
 
     def _refresh_interval(self, bucket: int, setting: Setting, best: float | None) -> int:
         """Steps between re-measurements of ``setting``: ``refresh_every`` while it is
-        predicted within ``refresh_within`` of the ``best`` prediction here, else
-        ``refollow_every``. A speculative step at 8 clients costs 3-4 plain ones and hands its
-        requests different token counts, so the burst's last ones finish alone; re-measuring
-        4/2/8 there (0.66x of plain) every 256 steps cost the demo pair ~8 extra small-batch
-        steps a burst. Plain decoding is always due at ``refresh_every``: it is the figure
-        every speculative setting must beat, and one plain step is cheap; timed in a slow
-        stretch, it stayed at 225 tok/s (true: 400) for 1200 steps of hard text in the
-        fake-machine test, while a chain ran at 375."""
+        predicted within ``refresh_within`` of the ``best`` prediction here; else twice as
+        long after each re-measurement that found it far below, up to ``refollow_every``.
+
+        A speculative step at 8 clients costs 3-4 plain ones and hands its requests
+        different token counts, so the burst's last ones finish alone; re-measuring 4/2/8
+        there (0.66x of plain) every 256 steps cost the demo pair ~8 extra small-batch steps
+        a burst, hence the growing wait. But not ``refollow_every`` at once: a setting timed
+        in a slow stretch of the machine (a profiler attached to the demo pair's drafting
+        rank: its tree at 27 ms a step, 0.42x of plain) stayed buried that long, with its
+        requests unfollowed, while it ran at 1.4x of plain before and after. Plain decoding
+        is always due at ``refresh_every``: it is the figure every speculative setting must
+        beat, and one plain step is cheap; timed in a slow stretch, it stayed at 225 tok/s
+        (true: 400) for 1200 steps of hard text in the fake-machine test, while a chain ran
+        at 375."""
         if setting.off:
             return self.cfg.refresh_every
         mine = self.predict(bucket, setting)
+        cost = self.costs[bucket][setting]
         if mine is None or best is None or mine >= best * (1 - self.cfg.refresh_within):
+            cost.backoff = 0
             return self.cfg.refresh_every
-        return self.cfg.refollow_every
+        return min(self.cfg.refollow_every, self.cfg.refresh_every << min(cost.backoff, 16))
+
+    def _due(self, bucket: int, setting: Setting, cost: Costs) -> bool:
+        """Whether speculative ``setting`` is due for a re-measurement at ``bucket``, which
+        needs new requests followed there."""
+        if self.steps - cost.last_step <= self.cfg.refresh_every:
+            return False
+        return self.steps - cost.last_step > self._refresh_interval(bucket, setting,
+                                                                    self._best(bucket))
+
+    def _best(self, bucket: int) -> float | None:
+        """The best prediction among the settings measured at ``bucket``."""
+        return max((p for s in self.costs.get(bucket, {})
+                    if s != UNFOLLOWED and (p := self.predict(bucket, s)) is not None),
+                   default=None)
 
     def _exploit(self, bucket: int) -> Setting:
         settled = (not self.forced and not self.trial and self.probe_from is None
