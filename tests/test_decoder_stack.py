@@ -128,7 +128,7 @@ def test_stack_equals_python_layers(name: str, q_lens: list[int], cached: list[i
     _assert_same(_run(model, fb, kv, (), True), _run(model, fb, kv, (), False))
 
 
-@pytest.mark.parametrize("aux", [(0, 2, 3), (1,), (3,), (2, 1)])
+@pytest.mark.parametrize("aux", [(0, 2, 3), (1,), (3,), (2, 1), (1, LAYERS), (0, 0)])
 def test_stack_returns_the_aux_inputs(aux: tuple[int, ...]) -> None:
     _native_or_skip()
     model = _model("LlamaForCausalLM", torch.bfloat16, TPContext.single())
@@ -158,7 +158,7 @@ def test_tensor_parallel_form_reduces_like_the_python_layers(bias: bool) -> None
     for comm, fused in zip(comms, (True, False), strict=True):
         model = _model("LlamaForCausalLM", torch.bfloat16, TPContext(0, 2, comm), bias=bias)
         fb, kv = _step(None, [1, 3], [12, 2], torch.bfloat16, None, 2)
-        outs.append(_run(model, fb, kv, (1,), fused))
+        outs.append(_run(model, fb, kv, (1, 3, LAYERS), fused))
     _assert_same(*outs)
     # two per layer (o and down) and the vocab-parallel embedding's one
     assert len(comms[0].calls) == len(comms[1].calls) == 2 * LAYERS + 1

@@ -95,7 +95,7 @@ def _peer_stops(_: Any) -> dict[str, Any]:
         x = torch.ones(1, 128, dtype=torch.bfloat16)  # the stack's first collective is its own
         try:
             with torch.inference_mode():
-                model.stack.run(x, rotary.cos, rotary.sin, meta, 0, 0.1, kv, 0, LAYERS)
+                model.stack.run(x, rotary.cos, rotary.sin, meta, 0, 0.1, kv, [])
             error = ""
         except RuntimeError as exc:
             error = str(exc)

@@ -14,9 +14,11 @@
 //   Without a norm weight qkv_proj reads x' as it is (the EAGLE-3 draft's normed concat).
 // tpserve::decoder_mlp_block(x, delta, ...) -> (x', m): x' = x + delta (delta = the reduced
 //   attention output), m = down(silu(gate) * up)(rms_norm(x')), partial like o.
-// tpserve::decoder_layers(x, weights, caches, ..., exchange) -> x after every layer: one call
-//   a step instead of two a layer; with `exchange` (a tensor-parallel rank on `shm`) the
-//   allreduces between the halves run inside it, through the backend's compiled exchange.
+// tpserve::decoder_layers(x, weights, caches, ..., exchange, aux_at) -> [x after every layer,
+//   then the input of each layer in `aux_at` (the EAGLE-3 draft's auxiliary states; the
+//   layer count for the output itself)]: one call a step instead of two a layer; with
+//   `exchange` (a tensor-parallel rank on `shm`) the allreduces between the halves run inside
+//   it, through the backend's compiled exchange.
 //
 // Attention is tpserve::paged_attention (cpu_attention.cpp, a separate library), called through
 // the dispatcher; the rest are this library's own functions (cpu_ops.cpp includes this file).
@@ -158,7 +160,18 @@ constexpr int64_t kStackExchangeArgs = 7;
 // tensor-parallel rank): o_proj and down_proj give this rank's partial sums, reduced across
 // the ranks between the halves, their biases added after the reduction, as
 // fused_decoder.py's per-layer loop does with comm.all_reduce.
-at::Tensor decoder_layers(const at::Tensor &x_in, const c10::List<std::optional<at::Tensor>> &w,
+// The residual stream entering a layer, as one tensor: `x + delta` (the previous layer's MLP
+// output not added yet), the same add the next layer's attention block would make.
+at::Tensor settle(at::Tensor &x, std::optional<at::Tensor> &delta) {
+    if (delta.has_value()) {
+        x = at::add(x, *delta);
+        delta.reset();
+    }
+    return x;
+}
+
+std::vector<at::Tensor> decoder_layers(
+                          const at::Tensor &x_in, const c10::List<std::optional<at::Tensor>> &w,
                           at::TensorList k_caches, at::TensorList v_caches, const at::Tensor &cos,
                           const at::Tensor &sin, const at::Tensor &page_table,
                           const at::Tensor &q_indptr, const at::Tensor &kv_lens,
@@ -166,7 +179,8 @@ at::Tensor decoder_layers(const at::Tensor &x_in, const c10::List<std::optional<
                           const std::optional<at::Tensor> &mask_start,
                           const std::optional<at::Tensor> &custom_mask, int64_t page_size,
                           int64_t window, double scale, int64_t q_heads, int64_t kv_heads,
-                          int64_t head_dim, double eps, bool narrow, c10::IntArrayRef exchange) {
+                          int64_t head_dim, double eps, bool narrow, c10::IntArrayRef exchange,
+                          c10::IntArrayRef aux_at) {
     const int64_t layers = static_cast<int64_t>(k_caches.size());
     TORCH_CHECK(static_cast<int64_t>(w.size()) == layers * kLayerTensors &&
                     v_caches.size() == k_caches.size(),
@@ -181,7 +195,18 @@ at::Tensor decoder_layers(const at::Tensor &x_in, const c10::List<std::optional<
     const std::optional<at::Tensor> none;
     at::Tensor x = x_in;
     std::optional<at::Tensor> delta;
+    // Outputs: [final x, aux...]; each aux state is settled where the layer loop reaches it
+    // (a split call used to return it and start the next call from it: the same bits).
+    std::vector<at::Tensor> out(1 + aux_at.size());
+    auto capture = [&](int64_t l) {
+        for (size_t i = 0; i < aux_at.size(); i++)
+            if (aux_at[i] == l) out[1 + i] = settle(x, delta);
+    };
+    for (int64_t a : aux_at)
+        TORCH_CHECK(a >= 0 && a <= layers, "tpserve::decoder_layers: aux layer ", a,
+                    " outside 0..", layers);
     for (int64_t l = 0; l < layers; l++) {
+        capture(l);
         const int64_t b = l * kLayerTensors;
         // Caches are written in place; the list holds views of the engine's pools.
         at::Tensor kc = k_caches[l], vc = v_caches[l];
@@ -195,7 +220,9 @@ at::Tensor decoder_layers(const at::Tensor &x_in, const c10::List<std::optional<
         x = xm;
         delta = m;
     }
-    return delta.has_value() ? at::add(x, *delta) : x;
+    capture(layers);
+    out[0] = settle(x, delta);
+    return out;
 }
 
 }  // namespace
@@ -213,7 +240,7 @@ TORCH_LIBRARY_FRAGMENT(tpserve, m) {
           "Tensor(b!)[] v_caches, Tensor cos, Tensor sin, Tensor page_table, Tensor q_indptr, "
           "Tensor kv_lens, Tensor write_slots, Tensor? mask_start, Tensor? custom_mask, "
           "int page_size, int window, float scale, int q_heads, int kv_heads, int head_dim, "
-          "float eps, bool narrow, int[] exchange) -> Tensor");
+          "float eps, bool narrow, int[] exchange, int[] aux_at) -> Tensor[]");
 }
 
 TORCH_LIBRARY_IMPL(tpserve, CPU, m) {

@@ -128,16 +128,19 @@ class DecoderStack:
 
     def run(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
             meta: AttentionMetadata, window: int, scale: float, kv: list[KVPair],
-            start: int, end: int) -> torch.Tensor:
-        """Layers [start, end) on ``x`` (the residual stream entering layer ``start``)."""
+            aux_at: list[int]) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """Every layer on ``x`` (the residual stream entering layer 0): the output, and the
+        input of each layer in ``aux_at`` (the layer count: the output itself), all from one
+        call. Splitting the stack at each auxiliary layer instead (the EAGLE-3 target's
+        verify and fed steps: three of them) cost ~40 us of Python and op dispatch a call."""
         step = (cos, sin, meta.page_table, meta.q_indptr, meta.kv_lens, meta.write_slots,
                 meta.mask_start, meta.custom_mask, meta.page_size, window, scale)
         dims = (self.q_heads, self.kv_heads, self.head_dim, self.eps, self.narrow)
-        weights = self.weights[start * LAYER_TENSORS : end * LAYER_TENSORS]
-        k_caches, v_caches = [k for k, _ in kv[start:end]], [v for _, v in kv[start:end]]
+        k_caches, v_caches = [k for k, _ in kv], [v for _, v in kv]
         if self.tp.size == 1:
-            return torch.ops.tpserve.decoder_layers(x, weights, k_caches, v_caches, *step,
-                                                    *dims, [])
+            out = torch.ops.tpserve.decoder_layers(x, self.weights, k_caches, v_caches, *step,
+                                                   *dims, [], aux_at)
+            return out[0], out[1:]
         comm = self.tp.comm
         # Tensor parallel on `shm`: one call, reducing between the halves inside it. Per layer
         # from Python (below) a TP = 2 rank paid two op dispatches and two allreduce calls
@@ -146,16 +149,21 @@ class DecoderStack:
         ex = stack(x.dtype, x.shape) if stack is not None else None
         if ex is not None:
             try:
-                out = torch.ops.tpserve.decoder_layers(x, weights, k_caches, v_caches, *step,
-                                                       *dims, ex.args())
+                out = torch.ops.tpserve.decoder_layers(x, self.weights, k_caches, v_caches,
+                                                       *step, *dims, ex.args(), aux_at)
             except RuntimeError as exc:
                 comm.stack_failed(str(exc))
                 raise
-            comm.stack_exchanged(ex, 2 * (end - start), x.nbytes)
-            return out
+            comm.stack_exchanged(ex, 2 * len(kv), x.nbytes)
+            return out[0], out[1:]
         # Row-parallel biases (o: w[4], down: w[9]) go after the reduction.
         delta = None
-        for i in range(start, end):
+        aux: dict[int, torch.Tensor] = {}
+        for i in range(len(kv)):
+            if i in aux_at:
+                if delta is not None:
+                    x, delta = x + delta, None
+                aux[i] = x
             w = self.weights[i * LAYER_TENSORS : (i + 1) * LAYER_TENSORS]
             k_cache, v_cache = kv[i]
             x, o = torch.ops.tpserve.decoder_attn_block(x, delta, *w[:4], None, cos, sin,
@@ -163,7 +171,9 @@ class DecoderStack:
             x, m = torch.ops.tpserve.decoder_mlp_block(x, _reduced(comm, o, w[4]), *w[5:9],
                                                        None, self.eps)
             delta = _reduced(comm, m, w[9])
-        return x if delta is None else x + delta
+        x = x if delta is None else x + delta
+        aux[len(kv)] = x
+        return x, [aux[i] for i in aux_at]
 
 
 def _draft_unfused_reason(draft: Any) -> str | None:

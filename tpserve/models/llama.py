@@ -128,16 +128,10 @@ class LlamaForCausalLM(DecoderLM):
         x = self.embed_tokens(batch.input_ids)
         rotary = self.rotary.at(batch.positions, x.dtype)
         meta, spec = self.attention.prepare(batch.attn).meta, self.attention.spec
-        aux: list[torch.Tensor] = []
-        start = 0
         batch.host_work.run()  # beside the native stack, which holds no GIL (HostWork)
-        for end in sorted({i for i in aux_layers if i < self.cfg.num_layers}
-                          | {self.cfg.num_layers}):
-            x = stack.run(x, rotary.cos, rotary.sin, meta, spec.window, spec.scale, kv, start,
-                          end)
-            if end in aux_layers:
-                aux.append(x)
-            start = end
+        # The auxiliary states in increasing layer order, as the layer loop returns them.
+        at = sorted({i for i in aux_layers if i <= self.cfg.num_layers})
+        x, aux = stack.run(x, rotary.cos, rotary.sin, meta, spec.window, spec.scale, kv, at)
         return self.norm(x), aux
 
     def bind_attention(self, batch: ForwardBatch) -> Attend:
