@@ -1,0 +1,54 @@
+"""The replicated CPU embedding table gives the rows the vocab-parallel lookup sums to."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tpserve.layers import vocab as vocab_mod
+from tpserve.layers.tp import TPContext
+from tpserve.layers.vocab import VocabParallelEmbedding
+
+VOCAB, HIDDEN = 37, 16  # not a multiple of the TP size: the last shard is padded
+
+
+class Passthrough:
+    """A one-process stand-in for the allreduce: the partial sum as it is."""
+
+    def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor
+
+
+def _ranks(dtype: torch.dtype) -> tuple[list[VocabParallelEmbedding], torch.Tensor]:
+    source = torch.randn(VOCAB, HIDDEN, generator=torch.Generator().manual_seed(0)).to(dtype)
+    ranks = []
+    for rank in range(2):
+        emb = VocabParallelEmbedding(VOCAB, HIDDEN, TPContext(rank, 2, Passthrough()), dtype,
+                                     torch.device("cpu"))
+        emb.weight.weight_loader(emb.weight, source)
+        ranks.append(emb)
+    return ranks, source
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_the_local_table_equals_the_summed_shards(dtype: torch.dtype) -> None:
+    ranks, source = _ranks(dtype)
+    ids = torch.tensor([0, 18, 19, 36, 5, 36, 0])  # both shards, their edges, repeats
+    assert all(r.table is not None for r in ranks)
+    local = [r(ids) for r in ranks]
+    for r in ranks:
+        r.table = None
+    summed = ranks[0](ids) + ranks[1](ids)  # what the allreduce of the masked lookups gives
+    for out in local:
+        assert out.dtype == dtype and torch.equal(out, summed)
+        assert torch.equal(out, source[ids])
+
+
+def test_tables_too_large_to_repeat_stay_sharded(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(vocab_mod, "REPLICATED_TABLE_BYTES", VOCAB * HIDDEN * 2 - 1)
+    ranks, _ = _ranks(torch.bfloat16)
+    assert all(r.table is None for r in ranks)
+    single = VocabParallelEmbedding(VOCAB, HIDDEN, TPContext.single(), torch.bfloat16,
+                                    torch.device("cpu"))
+    single.weight.weight_loader(single.weight, torch.zeros(VOCAB, HIDDEN))
+    assert single.table is None  # one rank: its shard is the table
