@@ -523,16 +523,18 @@ class AdaptiveChooser:
     def _refresh_interval(self, bucket: int, setting: Setting, best: float | None) -> int:
         """Steps between re-measurements of ``setting``: ``refresh_every`` while it is
         predicted within ``refresh_within`` of the ``best`` prediction here; else
-        ``refollow_every``, or, for a setting that once led here, twice as long after each
-        re-measurement that found it far below, up to ``refollow_every``.
+        ``refresh_every`` too the first time, then twice as long after each re-measurement
+        that found it far below, up to ``refollow_every``.
 
         A speculative step at 8 clients costs 3-4 plain ones and hands its requests
         different token counts, so the burst's last ones finish alone; re-measuring 4/2/8
         there (0.66x of plain) every 256 steps cost the demo pair ~8 extra small-batch steps
-        a burst. But a setting that led and was then timed in a slow stretch of the machine
-        (a profiler attached to the demo pair's drafting rank: its tree at 27 ms a step,
-        0.42x of plain) stayed buried ``refollow_every`` steps, its requests unfollowed,
-        while it ran at 1.4x of plain before and after. Plain decoding
+        a burst, hence the growing wait. But not ``refollow_every`` from the start: the demo
+        pair's launch tree, timed at 6.6 ms a step in its first steps (~2.8 once warm), sat
+        behind 4/1/5 for 569 steps at batch 1; and a tree timed in a slow stretch (a
+        profiler attached to the drafting rank: 27 ms a step, 0.42x of plain) stayed buried,
+        its requests unfollowed, while it ran at 1.4x of plain before and after. Plain
+        decoding
         is always due at ``refresh_every``: it is the figure every speculative setting must
         beat, and one plain step is cheap; timed in a slow stretch, it stayed at 225 tok/s
         (true: 400) for 1200 steps of hard text in the fake-machine test, while a chain ran
@@ -544,8 +546,6 @@ class AdaptiveChooser:
         if mine is None or best is None or mine >= best * (1 - self.cfg.refresh_within):
             cost.backoff = 0
             return self.cfg.refresh_every
-        if not cost.led:
-            return self.cfg.refollow_every
         return min(self.cfg.refollow_every, self.cfg.refresh_every << min(cost.backoff, 16))
 
     def _due(self, bucket: int, setting: Setting, cost: Costs) -> bool:
