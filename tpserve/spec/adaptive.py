@@ -152,10 +152,10 @@ class Costs:
     # plainly), and an emptied window read as a rate of 0 requests over ~0 ms: the demo
     # pair's chooser showed 4/1/5 at 3e9 tok/s at batch 1 after 8-client bursts.
     restart: bool = False
-    # Chosen here at some point (not just explored or probed): a setting that led and then
-    # measured far below the best is re-measured soon (see ``_refresh_interval``).
+    # Chosen here at some point (not just explored or probed): new requests are followed to
+    # re-measure such a setting once it fell far below the best (``_due``).
     led: bool = False
-    # Re-measurements in a row that found such a setting far below the best here: each
+    # Re-measurements in a row that found this setting far below the best here: each
     # doubles the wait before the next one, from ``refresh_every`` up to ``refollow_every``.
     backoff: int = 0
 
@@ -533,12 +533,12 @@ class AdaptiveChooser:
         pair's launch tree, timed at 6.6 ms a step in its first steps (~2.8 once warm), sat
         behind 4/1/5 for 569 steps at batch 1; and a tree timed in a slow stretch (a
         profiler attached to the drafting rank: 27 ms a step, 0.42x of plain) stayed buried,
-        its requests unfollowed, while it ran at 1.4x of plain before and after. Plain
-        decoding
-        is always due at ``refresh_every``: it is the figure every speculative setting must
-        beat, and one plain step is cheap; timed in a slow stretch, it stayed at 225 tok/s
-        (true: 400) for 1200 steps of hard text in the fake-machine test, while a chain ran
-        at 375."""
+        its requests unfollowed, while it ran at 1.4x of plain before and after.
+
+        Plain decoding is always due at ``refresh_every``: it is the figure every
+        speculative setting must beat, and one plain step is cheap; timed in a slow stretch,
+        it stayed at 225 tok/s (true: 400) for 1200 steps of hard text in the fake-machine
+        test, while a chain ran at 375."""
         if setting.off:
             return self.cfg.refresh_every
         mine = self.predict(bucket, setting)
