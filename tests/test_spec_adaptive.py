@@ -620,23 +620,47 @@ def demo_step_ms(s: Setting) -> float:
     return s.steps * (0.26 if s.topk == 1 else 0.3) + 2.4 + 0.07 * s.tokens + 0.6
 
 
-def run_varying(pick: AdaptiveChooser | Setting, rng: random.Random, rates: Any,
-                slow: Any, steps: int = 1200) -> float:
-    """tok/s over ``steps`` batch-1 steps of ``pick`` (a chooser or a pinned setting) where
-    step i accepts drafts at ``rates(i)`` per branching and runs ``slow(i)`` times slower."""
-    tokens_all, ms_all = 0, 0.0
+def batch1_steps(pick: AdaptiveChooser | Setting, rng: random.Random, rates: Any, slow: Any,
+                 steps: int = 1200, tokens_per_request: int | None = None
+                 ) -> list[tuple[int, float]]:
+    """(tokens, ms) of each of ``steps`` batch-1 steps of ``pick`` (a chooser or a pinned
+    setting) where step i accepts drafts at ``rates(i)`` per branching and runs ``slow(i)``
+    times slower. With ``tokens_per_request``, requests of that many tokens come one after
+    another, each asking the chooser whether the draft follows it: an unfollowed one decodes
+    plainly to its end, feeding nothing, as in the engine."""
+    chooser = pick if isinstance(pick, AdaptiveChooser) else None
+    out: list[tuple[int, float]] = []
+    followed, left = True, 0
     for i in range(steps):
-        s = pick.choose(1) if isinstance(pick, AdaptiveChooser) else pick
+        if tokens_per_request is not None and left <= 0:
+            followed = chooser is None or chooser.worth_following(1)
+            left = tokens_per_request
+        if chooser is None:
+            s = pick
+        else:
+            s = chooser.choose(1) if followed else chooser.step_aside(1)
         accs = [] if s.off else accepted(s, 1, rng, rates(i))
         tokens = 1 + sum(len(a.nodes) - 1 for a in accs)
         draft = 0.0 if s.off else s.steps * (0.26 if s.topk == 1 else 0.3)
         ms = demo_step_ms(s) * (1 + rng.uniform(-0.03, 0.03)) * slow(i)
-        if isinstance(pick, AdaptiveChooser):
-            pick.observe(s, 1, ms, ms - draft - 0.6 * (not s.off), draft, tokens)
+        if chooser is not None:
+            chooser.observe(s, 1, ms, ms - draft - 0.6 * (not s.off), draft, tokens,
+                            fed=followed)
             if accs:
-                pick.observe_accepts(s, accs)
-        tokens_all, ms_all = tokens_all + tokens, ms_all + ms
-    return 1e3 * tokens_all / ms_all
+                chooser.observe_accepts(s, accs)
+        out.append((tokens, ms))
+        left -= tokens
+    return out
+
+
+def tok_s(run: list[tuple[int, float]]) -> float:
+    return 1e3 * sum(t for t, _ in run) / sum(ms for _, ms in run)
+
+
+def run_varying(pick: AdaptiveChooser | Setting, rng: random.Random, rates: Any,
+                slow: Any, steps: int = 1200) -> float:
+    """tok/s over ``batch1_steps``."""
+    return tok_s(batch1_steps(pick, rng, rates, slow, steps))
 
 
 def against_pinned(rates: Any, slow: Any, seeds: int = 4) -> list[float]:
@@ -709,37 +733,6 @@ def test_a_re_measurement_the_step_could_not_run_keeps_the_old_figures() -> None
     assert all(not c.restart for c in chooser.costs[1].values() if c.last_step > 300)
 
 
-def run_requests(pick: AdaptiveChooser | Setting, rng: random.Random, slow: Any,
-                 steps: int, tokens_per_request: int = 64) -> list[tuple[int, float]]:
-    """Batch-1 requests one after another on the demo-shaped machine (``run_varying``'s
-    costs, rates 0.85 / 0.9, ``slow(i)`` times slower at step i), each asking the chooser
-    whether the draft follows it: an unfollowed one decodes plainly to its end, feeding
-    nothing, as in the engine. Per step: (tokens, ms)."""
-    rates = {1: 0.85, 2: 0.9}
-    out: list[tuple[int, float]] = []
-    followed, left = True, 0
-    for i in range(steps):
-        chooser = pick if isinstance(pick, AdaptiveChooser) else None
-        if left <= 0:
-            followed, left = chooser is None or chooser.worth_following(1), tokens_per_request
-        if chooser is None:
-            s = pick
-        else:
-            s = chooser.choose(1) if followed else chooser.step_aside(1)
-        accs = [] if s.off else accepted(s, 1, rng, rates)
-        tokens = 1 + sum(len(a.nodes) - 1 for a in accs)
-        draft = 0.0 if s.off else s.steps * (0.26 if s.topk == 1 else 0.3)
-        ms = demo_step_ms(s) * (1 + rng.uniform(-0.03, 0.03)) * slow(i)
-        if chooser is not None:
-            chooser.observe(s, 1, ms, ms - draft - 0.6 * (not s.off), draft, tokens,
-                            fed=followed)
-            if accs:
-                chooser.observe_accepts(s, accs)
-        out.append((tokens, ms))
-        left -= tokens
-    return out
-
-
 def test_speculation_timed_in_a_very_slow_stretch_comes_back_soon() -> None:
     """The machine runs 10x slower for 300 steps (a profiler attached to the demo pair's
     drafting rank measured its tree at 27 ms a step against ~3), long enough for the chooser
@@ -749,16 +742,13 @@ def test_speculation_timed_in_a_very_slow_stretch_comes_back_soon() -> None:
     ~0.6x of the tree pinned for 2000 steps after the stretch. Now the first re-measurement
     comes ``refresh_every`` steps after the last one, and the tree returns."""
     slow = lambda i: 10.0 if 100 <= i < 400 else 1.0  # noqa: E731
+    rates = lambda i: {1: 0.85, 2: 0.9}  # noqa: E731
     for seed in range(3):
         chooser = AdaptiveChooser(TREE, candidates(TREE, 8, shapes_fixed=False))
-        steps = run_requests(chooser, random.Random(seed), slow, 2600)[600:]
-        pinned = run_requests(TREE, random.Random(seed), slow, 2600)[600:]
-
-        def rate(run: list[tuple[int, float]]) -> float:
-            return sum(t for t, _ in run) / sum(ms for _, ms in run)
-
-        assert rate(steps) >= 0.9 * rate(pinned), (seed, rate(steps) / rate(pinned),
-                                                   chooser.snapshot())
+        steps = batch1_steps(chooser, random.Random(seed), rates, slow, 2600, 64)[600:]
+        pinned = batch1_steps(TREE, random.Random(seed), rates, slow, 2600, 64)[600:]
+        assert tok_s(steps) >= 0.9 * tok_s(pinned), (seed, tok_s(steps) / tok_s(pinned),
+                                                     chooser.snapshot())
 
 
 def test_a_launch_tree_timed_slow_in_its_first_steps_is_re_measured_soon() -> None:

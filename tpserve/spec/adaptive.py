@@ -541,12 +541,17 @@ class AdaptiveChooser:
         test, while a chain ran at 375."""
         if setting.off:
             return self.cfg.refresh_every
-        mine = self.predict(bucket, setting)
         cost = self.costs[bucket][setting]
-        if mine is None or best is None or mine >= best * (1 - self.cfg.refresh_within):
+        if not self._far(bucket, setting, best):
             cost.backoff = 0
             return self.cfg.refresh_every
         return min(self.cfg.refollow_every, self.cfg.refresh_every << min(cost.backoff, 16))
+
+    def _far(self, bucket: int, setting: Setting, best: float | None) -> bool:
+        """Whether ``setting`` is predicted more than ``refresh_within`` below ``best``."""
+        mine = self.predict(bucket, setting)
+        return mine is not None and best is not None and (
+            mine < best * (1 - self.cfg.refresh_within))
 
     def _due(self, bucket: int, setting: Setting, cost: Costs) -> bool:
         """Whether speculative ``setting`` needs new requests followed at ``bucket`` to be
@@ -562,10 +567,8 @@ class AdaptiveChooser:
         if not cost.led or waited <= self.cfg.refresh_every:
             return False
         best = self._best(bucket)
-        mine = self.predict(bucket, setting)
-        far = mine is not None and best is not None and (
-            mine < best * (1 - self.cfg.refresh_within))
-        return far and waited > self._refresh_interval(bucket, setting, best)
+        return (self._far(bucket, setting, best)
+                and waited > self._refresh_interval(bucket, setting, best))
 
     def _best(self, bucket: int) -> float | None:
         """The best prediction among the settings measured at ``bucket``."""
