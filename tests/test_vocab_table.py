@@ -52,3 +52,15 @@ def test_tables_too_large_to_repeat_stay_sharded(monkeypatch: pytest.MonkeyPatch
                                     torch.device("cpu"))
     single.weight.weight_loader(single.weight, torch.zeros(VOCAB, HIDDEN))
     assert single.table is None  # one rank: its shard is the table
+
+
+def test_the_draft_reads_the_same_table_without_a_gather() -> None:
+    """A replicated draft at TP = 2 reads the whole table: the one the CPU rank already keeps
+    (no process group here, so a gather would fail), shared, not copied."""
+    from tpserve.spec.setup import draft_embedding
+
+    ranks, source = _ranks(torch.bfloat16)
+    draft = draft_embedding(ranks[1], TPContext.single())
+    assert draft.weight.data_ptr() == ranks[1].table.data_ptr()
+    ids = torch.tensor([0, 18, 19, 36])
+    assert torch.equal(draft(ids), source[ids])

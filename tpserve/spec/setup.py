@@ -124,10 +124,17 @@ def drafting_rank(mode: str, world: int, draft_tp: int, device: torch.device,
 
 def draft_embedding(target: VocabParallelEmbedding, draft_tp: TPContext) -> nn.Module:
     """The embedding the draft reads: the target's own when the draft is sharded like it,
-    else a whole copy gathered once from every rank's vocab slice (no collective per step)."""
+    else the whole table: the one a CPU rank already keeps (``VocabParallelEmbedding.table``,
+    the same on every rank, so no rank gathers), or a copy gathered once from every rank's
+    vocab slice (no collective per step)."""
     if draft_tp.size == target.tp.size:
         return target
     shard = target.weight.detach()
+    if target.table is not None:
+        whole = VocabParallelEmbedding(target.vocab, shard.shape[1], draft_tp, shard.dtype,
+                                       torch.device("meta"))
+        whole.weight = nn.Parameter(target.table, requires_grad=False)
+        return whole.eval()
     parts = [torch.empty_like(shard) for _ in range(target.tp.size)]
     dist.all_gather(parts, shard.contiguous())
     full = VocabParallelEmbedding(target.vocab, shard.shape[1], draft_tp, shard.dtype,
