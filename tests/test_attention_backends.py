@@ -38,6 +38,7 @@ from tpserve.layers.attention import (
     cpu_native,
     create,
 )
+from tpserve.layers.attention.metadata import write_slots_for
 from tpserve.layers.attention.registry import NAMES
 
 CPU = torch.device("cpu")
@@ -194,6 +195,28 @@ def test_native_refuses_bad_layouts() -> None:
         build_metadata(np.ones((1, 1), np.int32), [3], [2], 16, CPU)
     with pytest.raises(ValueError, match="page table"):
         build_metadata(np.ones((1, 1), np.int32), [1], [17], 16, CPU)
+
+
+@pytest.mark.parametrize("batch,uniform", [(1, True), (5, False), (5, True), (40, False),
+                                           (90, True)])
+def test_write_slots_equal_the_ragged_numpy_path(batch: int, uniform: bool) -> None:
+    """Every way the metadata computes write slots (Python ints for small batches, the
+    uniform block, the ragged numpy index) lands each row where ``write_slots_for`` does."""
+    gen = np.random.default_rng(batch)
+    page_size, width = 4, 12
+    pages = gen.permutation(batch * width).reshape(batch, width).astype(np.int32) + 1
+    q = np.full(batch, 3) if uniform else gen.integers(0, 6, batch)
+    kv = q + gen.integers(0, page_size * width - 6, batch)
+    meta = build_metadata(pages, q, kv, page_size, CPU)
+    expected = write_slots_for(pages, q.astype(np.int32), kv.astype(np.int32), page_size)
+    assert meta.write_slots.tolist() == expected.tolist()
+    assert meta.q_indptr.tolist() == [0, *np.cumsum(q).tolist()]
+    assert meta.uniform_q_len == (3 if uniform else 0)
+    assert (meta.max_q_len, meta.max_kv_len) == (int(q.max()), int(kv.max()))
+    logical = [i for qb, kb in zip(q, kv, strict=True) for i in range(kb - qb, kb)]
+    rows = np.repeat(np.arange(batch), q)
+    assert expected.tolist() == [int(pages[b, i // page_size]) * page_size + i % page_size
+                                 for b, i in zip(rows, logical, strict=True)]
 
 
 def test_registry() -> None:

@@ -62,6 +62,8 @@ class AttentionMetadata:
 
 
 def _int32(x: ArrayLike) -> np.ndarray:
+    if isinstance(x, np.ndarray) and x.dtype == np.int32 and x.flags.c_contiguous:
+        return x
     arr = x.cpu().numpy() if isinstance(x, torch.Tensor) else np.asarray(x)
     return np.ascontiguousarray(arr, dtype=np.int32)
 
@@ -76,22 +78,55 @@ def write_slots_for(page_table: np.ndarray, q_lens: np.ndarray, kv_lens: np.ndar
     return pages * page_size + logical % page_size
 
 
+# Below this many rows, index arithmetic on Python ints beats numpy's per-call overhead
+# (~1-2 us an op on a small array; a speculative step builds several layouts per step).
+_SMALL_ROWS = 64
+
+
+def _small_write_slots(page_table: np.ndarray, q_lens: list[int], kv_lens: list[int],
+                       page_size: int) -> np.ndarray:
+    """``write_slots_for`` on Python ints, for a few rows (reading only the pages written)."""
+    slots: list[int] = []
+    for b, (q, kv) in enumerate(zip(q_lens, kv_lens, strict=True)):
+        if q:
+            first = (kv - q) // page_size
+            row = page_table[b, first : (kv - 1) // page_size + 1].tolist()
+            slots.extend(row[i // page_size - first] * page_size + i % page_size
+                         for i in range(kv - q, kv))
+    return np.array(slots, dtype=np.int64)
+
+
+@dataclass(frozen=True)
+class _Extents:
+    """What the checks learn on the way: the largest query and key counts, and the common
+    query count (0 when they differ or some request has none)."""
+
+    max_q: int
+    max_kv: int
+    uniform_q: int
+
+
 def _check(page_table: np.ndarray, q_lens: np.ndarray, kv_lens: np.ndarray, page_size: int,
-           mask_start: np.ndarray | None, custom_mask: torch.Tensor | None) -> None:
+           mask_start: np.ndarray | None, custom_mask: torch.Tensor | None) -> _Extents:
     batch = (page_table.shape[0],) if page_table.ndim == 2 else None
     if batch is None or q_lens.shape != batch or kv_lens.shape != batch:
         raise ValueError(f"page_table {page_table.shape}, q_lens {q_lens.shape} and kv_lens "
                          f"{kv_lens.shape} must agree on the batch size")
-    if (q_lens < 0).any() or (q_lens > kv_lens).any():
-        raise ValueError("every request needs 0 <= q_len <= kv_len")
-    if len(kv_lens) and int((-(-kv_lens // page_size)).max()) > page_table.shape[1]:
-        raise ValueError("a request has more keys than its page table covers")
     if (mask_start is None) != (custom_mask is None):
         raise ValueError("mask_start and custom_mask go together")
+    if not len(q_lens):
+        return _Extents(0, 0, 0)
+    q, kv = q_lens.tolist(), kv_lens.tolist()
+    min_q, max_q, max_kv = min(q), max(q), max(kv)
+    if min_q < 0 or any(a > b for a, b in zip(q, kv, strict=True)):
+        raise ValueError("every request needs 0 <= q_len <= kv_len")
+    if -(-max_kv // page_size) > page_table.shape[1]:
+        raise ValueError("a request has more keys than its page table covers")
     if custom_mask is not None:
         shape = tuple(custom_mask.shape)
-        if len(shape) != 3 or shape[0] != len(q_lens) or (len(q_lens) and shape[1] < q_lens.max()):
+        if len(shape) != 3 or shape[0] != len(q_lens) or shape[1] < max_q:
             raise ValueError(f"custom_mask {shape} must be [batch, >= max q_len, M]")
+    return _Extents(max_q, max_kv, max_q if min_q == max_q else 0)
 
 
 def build_metadata(page_table: ArrayLike, q_lens: ArrayLike, kv_lens: ArrayLike, page_size: int,
@@ -102,21 +137,28 @@ def build_metadata(page_table: ArrayLike, q_lens: ArrayLike, kv_lens: ArrayLike,
     and ``custom_mask`` [B, Qmax, M] bool (see the module docstring)."""
     pages, q, kv = _int32(page_table), _int32(q_lens), _int32(kv_lens)
     start = None if mask_start is None else _int32(mask_start)
-    _check(pages, q, kv, page_size, start, custom_mask)
-    indptr = np.zeros(len(q) + 1, dtype=np.int32)
-    np.cumsum(q, out=indptr[1:])
-    slots = write_slots_for(pages, q, kv, page_size)
+    ext = _check(pages, q, kv, page_size, start, custom_mask)
+    if ext.uniform_q:
+        indptr = np.arange(0, (len(q) + 1) * ext.uniform_q, ext.uniform_q, dtype=np.int32)
+    else:
+        indptr = np.zeros(len(q) + 1, dtype=np.int32)
+        np.cumsum(q, out=indptr[1:])
+    slots = (_small_write_slots(pages, q.tolist(), kv.tolist(), page_size)
+             if max(int(indptr[-1]), len(q)) <= _SMALL_ROWS else write_slots_for(pages, q, kv, page_size))
     host = HostLayout(indptr, kv, pages, start)
+    on_cpu = device.type == "cpu"
 
     def dev(a: np.ndarray) -> torch.Tensor:
         t = torch.from_numpy(a)
-        return t if device.type == "cpu" else t.to(device, non_blocking=True)
+        return t if on_cpu else t.to(device, non_blocking=True)
 
+    if custom_mask is not None and (custom_mask.dtype != torch.bool
+                                    or custom_mask.device != device
+                                    or not custom_mask.is_contiguous()):
+        custom_mask = custom_mask.to(device, torch.bool).contiguous()
     return AttentionMetadata(
         page_table=dev(pages), q_indptr=dev(indptr), kv_lens=dev(kv), write_slots=dev(slots),
-        page_size=page_size, max_q_len=int(q.max()) if len(q) else 0,
-        max_kv_len=int(kv.max()) if len(kv) else 0, host=host,
-        mask_start=None if start is None else dev(start),
-        custom_mask=None if custom_mask is None else custom_mask.to(device, torch.bool).contiguous(),
-        uniform_q_len=int(q[0]) if len(q) and q[0] > 0 and (q == q[0]).all() else 0,
+        page_size=page_size, max_q_len=ext.max_q, max_kv_len=ext.max_kv, host=host,
+        mask_start=None if start is None else dev(start), custom_mask=custom_mask,
+        uniform_q_len=ext.uniform_q,
     )
