@@ -401,39 +401,39 @@ class Drafter:
         """The accepted paths' features become the requests' pending rows (what the next
         plan counts). Host-built indices travel with non-blocking copies: nothing here waits
         for the device."""
-        device = self.runner.device
-        lens, rows, nodes = path_nodes(paths)
-        kept = verified.features[torch.from_numpy(rows).to(device, non_blocking=True),
-                                 torch.from_numpy(nodes).to(device, non_blocking=True)]
-        for key, feats in zip(keys.tolist(), kept.split(lens.tolist()), strict=True):
+        device, n = self.runner.device, verified.features.shape[1]
+        flat = [b * n + node for b, path in enumerate(paths) for node in path]
+        index = torch.tensor(flat, dtype=torch.long)
+        kept = verified.features.reshape(-1, verified.features.shape[2]).index_select(
+            0, index if device.type == "cpu" else index.to(device, non_blocking=True))
+        for key, feats in zip(keys.tolist(), kept.split([len(p) for p in paths]), strict=True):
             self.pending[key] = feats
 
     @torch.inference_mode()
     def compact(self, verified: Verified, paths: list[list[int]]) -> None:
         """Move the accepted nodes' target KV to consecutive slots (node n at position i of
         its path moves down to committed + i, n >= i). Must run before the next forward."""
-        device = self.runner.device
-        lens, rows, nodes = path_nodes(paths)
-        position = np.arange(len(nodes)) - np.repeat(np.cumsum(lens) - lens, lens)
-        moved = nodes != position
-        if moved.any():
-            pages, base = verified.pages.numpy(), verified.committed.numpy()[rows[moved]]
-            ps = self.runner.page_size
-            src = page_slots(pages, rows[moved], base + nodes[moved], ps)
-            dst = page_slots(pages, rows[moved], base + position[moved], ps)
-            self.runner.kv.move_slots(torch.from_numpy(src).to(device, non_blocking=True),
-                                      torch.from_numpy(dst).to(device, non_blocking=True))
+        moves = moved_slots(verified.pages.numpy(), verified.committed.tolist(), paths,
+                            self.runner.page_size)
+        if moves is not None:
+            device = self.runner.device
+            src, dst = (torch.tensor(m, dtype=torch.long).to(device, non_blocking=True)
+                        for m in moves)
+            self.runner.kv.move_slots(src, dst)
 
 
-def path_nodes(paths: list[list[int]]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Accepted paths flattened: each path's length, then every node's request row and its
-    node index, in path order."""
-    lens = np.array([len(p) for p in paths], dtype=np.int64)
-    rows = np.repeat(np.arange(len(paths)), lens)
-    return lens, rows, np.array([n for p in paths for n in p], dtype=np.int64)
-
-
-def page_slots(pages: np.ndarray, rows: np.ndarray, logical: np.ndarray,
-               page_size: int) -> np.ndarray:
-    """Cache slots of logical indices ``logical`` of requests ``rows`` (``pages`` [B, P])."""
-    return pages[rows, logical // page_size] * page_size + logical % page_size
+def moved_slots(pages: np.ndarray, committed: list[int], paths: list[list[int]],
+                page_size: int) -> tuple[list[int], list[int]] | None:
+    """(source, destination) cache slots of the accepted nodes that are not already in place
+    (request b's path node n at position i lives at logical index committed[b] + n and
+    belongs at committed[b] + i), or None when every node is in place (a chain's path
+    always is). ``pages`` [B, P] page ids. Python ints: a step moves a handful of slots."""
+    src: list[int] = []
+    dst: list[int] = []
+    for b, path in enumerate(paths):
+        row = pages[b]
+        for i, node in enumerate(path):
+            if node != i:
+                for out, logical in ((src, committed[b] + node), (dst, committed[b] + i)):
+                    out.append(int(row[logical // page_size]) * page_size + logical % page_size)
+    return (src, dst) if src else None
