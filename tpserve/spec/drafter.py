@@ -52,7 +52,7 @@ class Verified:
     tree: DraftTree
     logits: torch.Tensor  # [B, N, V]
     features: torch.Tensor  # [B, N, H] fc'd target features of every node
-    pages: torch.Tensor
+    pages: np.ndarray  # [B, P] the plan's page table
     committed: torch.Tensor  # [B] target KV length before the step (= L - 1)
 
 
@@ -68,22 +68,32 @@ class Ahead:
 
     def same_pages(self, step: SpecStep) -> bool:
         """The verify layout applies too: the real plan has exactly the assumed page table."""
-        return np.array_equal(step.page_table, self.step.page_table)
+        return same_array(step.page_table, self.step.page_table)
 
     def fits(self, step: SpecStep) -> bool:
         """Whether ``step`` is the assumed plan, as far as the draft is concerned: the same
         requests, pending tokens and lengths, and the same pages wherever the draft went
         (a page the real plan added beyond them does not matter; dropped keys neither)."""
         guess = self.step
-        if not (np.array_equal(step.keys, guess.keys) and np.array_equal(step.q_lens, guess.q_lens)
-                and np.array_equal(step.cached_lens, guess.cached_lens)
-                and np.array_equal(step.token_ids, guess.token_ids)):
+        if not (same_array(step.keys, guess.keys) and same_array(step.q_lens, guess.q_lens)
+                and same_array(step.cached_lens, guess.cached_lens)
+                and same_array(step.token_ids, guess.token_ids)):
             return False
+        if self.same_pages(step):
+            return True
         width = int(self.pages.max())
         if step.page_table.shape[1] < width:
             return False
         used = np.arange(width)[None, :] < self.pages[:, None]
         return bool(np.all((step.page_table[:, :width] == guess.page_table[:, :width]) | ~used))
+
+
+def same_array(a: np.ndarray, b: np.ndarray) -> bool:
+    """``np.array_equal``, as one byte compare where dtype and shape agree (the usual case:
+    ~10x cheaper on the plan's small arrays, on the drafting follower's critical path)."""
+    if a.dtype == b.dtype and a.shape == b.shape:
+        return a.tobytes() == b.tobytes()
+    return bool(np.array_equal(a, b))
 
 
 class Drafter:
@@ -139,7 +149,7 @@ class Drafter:
             refresh([self.verify_forward, self.draft_forward])
 
     def forget(self, keys: np.ndarray) -> None:
-        for key in keys.tolist():
+        for key in keys.tolist() if len(keys) else ():
             self.pending.pop(key, None)
 
     def _features(self, aux: list[torch.Tensor]) -> torch.Tensor:
@@ -238,26 +248,12 @@ class Drafter:
             self.page_features[pages.to(dev, non_blocking=True)] = r[
                 offsets.to(r.device, non_blocking=True)]
 
-    def _draft_inputs(self, step: SpecStep) -> tuple[Any, ...]:
-        """``_draft``'s arguments for the plan ``step``."""
-        lens = step.q_lens.tolist()
-        ends = np.cumsum(step.q_lens)
-        toks = [torch.from_numpy(step.token_ids[e - n : e]).long()
-                for e, n in zip(ends.tolist(), lens, strict=True)]
-        rows = [self.pending[k] for k in step.keys.tolist()]
-        starts = (step.cached_lens - 1).tolist()  # pending feature of token t is at t - 1
-        pages = torch.from_numpy(step.page_table).long()
-        committed = torch.from_numpy(step.cached_lens + step.q_lens - 1).long()
-        roots = torch.from_numpy(step.token_ids[ends - 1]).long()
-        return rows, toks, starts, step.page_table, pages, committed, roots
-
     @torch.inference_mode()
     def run(self, step: SpecStep, phase: PhaseScope) -> Verified:
         """Draft extend + tree (part "draft"), then the target's verify forward ("verify")."""
         self.forget(step.drop)
         ahead, self.ahead = self.ahead, None
         with phase("draft"):
-            pages = torch.from_numpy(step.page_table).long()
             committed = torch.from_numpy(step.cached_lens + step.q_lens - 1).long()
             if ahead is not None and not ahead.fits(step):
                 self.trees["ahead_wasted"] += 1
@@ -271,13 +267,13 @@ class Drafter:
                 verify_meta = self._verify_meta(step)
             tree = ahead.tree if ahead is not None else None
             if tree is None and self.drafts:
-                tree = self._draft(*self._draft_inputs(step))
+                tree = self._draft(step)
         if self.drafting_rank is not None:
             with phase("tree"):
                 tree = self._hand_over(tree, len(step.q_lens))
         assert tree is not None
         with phase("verify"):
-            return self._verify(tree, verify_meta, pages, committed)
+            return self._verify(tree, verify_meta, step.page_table, committed)
 
     def _verify_meta(self, step: SpecStep) -> AttentionMetadata:
         cached = (step.cached_lens + step.q_lens - 1).astype(np.int32)
@@ -303,24 +299,29 @@ class Drafter:
             return
         tree = verified.tree
         accepted = greedy_paths(tree.tokens, tree.parents, verified.logits.float())
-        m = np.array([len(a.nodes) for a in accepted], dtype=np.int32)
-        root = step.cached_lens + step.q_lens - 1
+        # Python ints: a handful of requests, where numpy's per-call cost dominates.
+        roots = (step.cached_lens + step.q_lens - 1).tolist()
+        accepts = [len(a.nodes) for a in accepted]
         # The last draft KV index the next tree touches (its temporary nodes), and the last
         # one this step's verify wrote: only pages up to it are surely the request's own.
         cfg, ps = self.cfg, self.draft_kv.cfg.page_size
-        last = root + m + max((cfg.num_steps - 1) * cfg.topk - 1, 0)
-        if np.any(last // ps > (root + cfg.num_draft_tokens - 1) // ps):
+        extra = max((cfg.num_steps - 1) * cfg.topk - 1, 0)
+        last = [r + m + extra for r, m in zip(roots, accepts, strict=True)]
+        if any(end // ps > (r + cfg.num_draft_tokens - 1) // ps
+               for end, r in zip(last, roots, strict=True)):
             return
-        guess = SpecStep(np.array([t for a in accepted for t in a.tokens], dtype=np.int64), m,
-                         (step.cached_lens + step.q_lens).astype(np.int32), step.page_table,
+        guess = SpecStep(np.array([t for a in accepted for t in a.tokens], dtype=np.int64),
+                         np.array(accepts, dtype=np.int32),
+                         np.array([r + 1 for r in roots], dtype=np.int32), step.page_table,
                          step.keys, np.zeros(0, dtype=np.int64), True)
         paths = [a.nodes for a in accepted]
         self.keep(step.keys, verified, paths)
-        tree = self._draft(*self._draft_inputs(guess))
+        tree = self._draft(guess)
         # The verify layout too, where the assumed page table is wide enough for it (used only
         # if the real plan brings that very table).
-        wide = np.all(root + m + cfg.num_draft_tokens <= step.page_table.shape[1] * ps)
-        self.ahead = Ahead(guess, paths, last // ps + 1, tree,
+        room = step.page_table.shape[1] * ps
+        wide = all(r + m + cfg.num_draft_tokens <= room for r, m in zip(roots, accepts, strict=True))
+        self.ahead = Ahead(guess, paths, np.array([end // ps + 1 for end in last]), tree,
                            self._verify_meta(guess) if wide else None)
 
     def discard_ahead(self) -> None:
@@ -329,28 +330,36 @@ class Drafter:
             self.trees["ahead_wasted"] += 1
             self.ahead = None
 
-    def _draft(self, rows: list[torch.Tensor], toks: list[torch.Tensor], starts: list[int],
-               page_table: np.ndarray, pages: torch.Tensor, committed: torch.Tensor,
-               roots: torch.Tensor) -> DraftTree:
-        """Extend the draft over the pending rows, then grow the tree: eagerly as one native
-        call where it applies (the extend inside it when its rows fit too), else per depth
-        (captured / compiled steps, other devices)."""
+    def _draft(self, step: SpecStep) -> DraftTree:
+        """Extend the draft over the plan's pending rows, then grow the tree: eagerly as one
+        native call where it applies (the extend inside it when its rows fit too), else per
+        depth (captured / compiled steps, other devices)."""
         device, cache, ps = self.runner.device, self.draft_kv.layers[0], self.draft_kv.cfg.page_size
-        beam = len(toks) * self.cfg.topk
+        rows = [self.pending[k] for k in step.keys.tolist()]
+        starts = step.cached_lens - 1  # the pending feature of token t is at t - 1
+        committed = (step.cached_lens + step.q_lens - 1).astype(np.int32)
+        token_ids = np.ascontiguousarray(step.token_ids, dtype=np.int64)
+        roots = torch.from_numpy(token_ids[np.cumsum(step.q_lens) - 1])
+        beam = len(rows) * self.cfg.topk
         native = (self.runner.static is None
                   and can_grow_natively(self.draft, self.embed, beam, device))
-        extend_rows = sum(len(t) for t in toks)
         self.trees["native" if native else "loop"] += 1
-        if native and can_grow_natively(self.draft, self.embed, extend_rows, device):
-            self._remember_page_ends(rows, starts, page_table)
-            feats = torch.cat(rows).to(device=device, dtype=self.draft.fc.weight.dtype)
-            extend = (torch.cat(toks), torch.tensor([len(t) for t in toks], dtype=torch.int32),
-                      torch.tensor(starts, dtype=torch.int32))
-            return grow_natively(self.draft, self.embed, cache, feats, roots, pages, committed,
-                                 self.cfg, ps, extend)
-        root_out = self._draft_extend(rows, toks, starts, page_table)
-        return draft_tree(self.draft, self.embed, cache, root_out, roots, pages, committed,
-                          self.cfg, ps, self._draft_step, native)
+        if native and can_grow_natively(self.draft, self.embed, len(token_ids), device):
+            self._remember_page_ends(rows, starts.tolist(), step.page_table)
+            feats = (rows[0] if len(rows) == 1 else torch.cat(rows)).to(
+                device=device, dtype=self.draft.fc.weight.dtype)
+            # int32 host tensors, as the op reads them (no round trip through int64)
+            extend = (torch.from_numpy(token_ids), torch.from_numpy(step.q_lens.astype(np.int32, copy=False)),
+                      torch.from_numpy(starts.astype(np.int32)))
+            return grow_natively(self.draft, self.embed, cache, feats, roots,
+                                 torch.from_numpy(step.page_table.astype(np.int32, copy=False)),
+                                 torch.from_numpy(committed), self.cfg, ps, extend)
+        toks = list(torch.from_numpy(token_ids).split(step.q_lens.tolist()))
+        root_out = self._draft_extend(rows, toks, starts.tolist(), step.page_table)
+        return draft_tree(self.draft, self.embed, cache, root_out, roots,
+                          torch.from_numpy(step.page_table).long(),
+                          torch.from_numpy(committed).long(), self.cfg, ps, self._draft_step,
+                          native)
 
     def _hand_over(self, tree: DraftTree | None, batch: int) -> DraftTree:
         """The drafting rank's tree on every rank: one allreduce of the packed tree (tokens,
@@ -378,7 +387,7 @@ class Drafter:
         out, logp = run_static(self.runner.static, self.draft_forward, fb, {"hidden": hidden})
         return out, logp
 
-    def _verify(self, tree: DraftTree, meta: AttentionMetadata, pages: torch.Tensor,
+    def _verify(self, tree: DraftTree, meta: AttentionMetadata, pages: np.ndarray,
                 committed: torch.Tensor) -> Verified:
         batch, n = tree.tokens.shape
         positions = committed.to(tree.depths.device, non_blocking=True)[:, None] + tree.depths
@@ -413,7 +422,7 @@ class Drafter:
     def compact(self, verified: Verified, paths: list[list[int]]) -> None:
         """Move the accepted nodes' target KV to consecutive slots (node n at position i of
         its path moves down to committed + i, n >= i). Must run before the next forward."""
-        moves = moved_slots(verified.pages.numpy(), verified.committed.tolist(), paths,
+        moves = moved_slots(verified.pages, verified.committed.tolist(), paths,
                             self.runner.page_size)
         if moves is not None:
             device = self.runner.device

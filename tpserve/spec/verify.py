@@ -166,7 +166,10 @@ def _greedy_paths(best: torch.Tensor, tree_tokens: torch.Tensor, parents: torch.
                   ) -> list[Accepted]:
     """Each request's greedy path from the target argmax ``best`` [B, N] at every node: one
     read-back of the argmax and the tree for the whole batch."""
-    host = torch.stack([best, tree_tokens.to(best.device), parents.to(best.device)]).tolist()
+    if best.is_cpu and tree_tokens.is_cpu and parents.is_cpu:  # nothing to read back
+        host = [best.tolist(), tree_tokens.tolist(), parents.tolist()]
+    else:
+        host = torch.stack([best, tree_tokens.to(best.device), parents.to(best.device)]).tolist()
     return [greedy_path(toks, pars, top) for top, toks, pars in zip(*host, strict=True)]
 
 
