@@ -9,6 +9,7 @@ import pytest
 
 from tpserve.engine.messages import (
     MESSAGE_TYPES,
+    Committed,
     ConfigChange,
     DraftFeed,
     ForwardStep,
@@ -41,6 +42,7 @@ MESSAGES = [
     SpecCommit.of([[0, 2, 3], [0], [0, 1]]),
     ConfigChange(allreduce="shm"), ConfigChange(speculative=SpecSettings(True, 4, 2, 8)),
     ConfigChange(), Shutdown(),
+    Committed(SpecCommit.of([[0, 1], [0]]), _forward(True)),
 ]
 
 

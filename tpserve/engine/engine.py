@@ -30,7 +30,7 @@ from tpserve.engine.adapt import AdaptiveDriver, current_setting, take_adaptive
 from tpserve.engine.admin import apply_change, spec_settings, validate_change
 from tpserve.engine.finish import append_tokens, emit_progress, fail_request
 from tpserve.engine.follower import Channel, run_forward
-from tpserve.engine.messages import Shutdown, SpecCommit, StepMessage, encode
+from tpserve.engine.messages import Committed, Shutdown, SpecCommit, StepMessage, encode
 from tpserve.engine.profiler import StepProfiler, TraceCapture
 from tpserve.engine.request import Request
 from tpserve.engine.runner import ModelRunner
@@ -84,6 +84,9 @@ class Engine:
         self.follow_new = False
         # Work the last step left for after the next message went out (``defer``).
         self._deferred: list[Callable[[], None]] = []
+        # A speculative step's commit not yet sent: it rides with the next message
+        # (``messages.Committed``), see ``_spec_step``.
+        self._held_commit: SpecCommit | None = None
         # Requests whose output events the last plain step left for the next forward to send
         # (``_commit``, ``HostWork``).
         self._events: list[Request] = []
@@ -123,6 +126,8 @@ class Engine:
 
     def broadcast(self, msg: StepMessage) -> None:
         if self.channel is not None:
+            if self._held_commit is not None:
+                msg, self._held_commit = Committed(self._held_commit, msg), None
             start = time.perf_counter()
             self.channel.send(encode(msg))
             self.stats.control_seconds += time.perf_counter() - start
@@ -310,8 +315,13 @@ class Engine:
             decision = self._accept(reqs, verified)
         if self.adaptive is not None:
             self.adaptive.chooser.observe_accepts(current_setting(spec), decision.accepted)
-        with prof.phase("control"):
-            self.broadcast(decision.commit)
+        if spec.runs_ahead(msg):
+            # The drafting follower reads the commit only after drafting ahead, by when the
+            # next plan is out too: it goes with that plan, one message instead of two.
+            self._held_commit = decision.commit
+        else:  # followers compact while this rank plans
+            with prof.phase("control"):
+                self.broadcast(decision.commit)
         with prof.phase("commit"):
             spec.keep(msg, decision.commit, verified)
         self.defer(lambda: self._compact(decision.commit, verified))

@@ -14,6 +14,7 @@ from typing import Any, Protocol
 from tpserve.dist import CommSwitch
 from tpserve.engine.admin import apply_change
 from tpserve.engine.messages import (
+    Committed,
     ConfigChange,
     ForwardStep,
     Shutdown,
@@ -62,8 +63,9 @@ def receive(channel: Channel) -> StepMessage:
 def follow(runner: ModelRunner, channel: Channel, spec: SpecDecoder | None = None) -> None:
     """Non-zero ranks: execute messages until rank 0 sends ``Shutdown``."""
     scope = tag_allreduces(runner.comm)
+    msg: StepMessage | None = None  # a message that came bundled with the last commit
     while True:
-        msg = receive(channel)
+        msg = receive(channel) if msg is None else msg
         if spec is not None and not isinstance(msg, SpecStep):
             spec.discard_ahead()  # a tree grown ahead was for the next speculative step
         if isinstance(msg, Shutdown):
@@ -77,12 +79,21 @@ def follow(runner: ModelRunner, channel: Channel, spec: SpecDecoder | None = Non
                 raise RuntimeError("a speculative step arrived, but this rank has no draft")
             verified = spec.run(msg, scope)
             spec.run_ahead(msg, verified)
-            commit = receive(channel)
-            if not isinstance(commit, SpecCommit):
-                raise RuntimeError(f"expected SpecCommit after SpecStep, got "
-                                   f"{type(commit).__name__}")
+            commit, then = split_commit(receive(channel))
             spec.commit(msg, commit, verified)
+            msg = then
+            continue
         elif isinstance(msg, ConfigChange):
             apply_change(msg, runner.comm, runner.static, spec)
         else:
             raise RuntimeError(f"unexpected step message {type(msg).__name__}")
+        msg = None
+
+
+def split_commit(msg: StepMessage) -> tuple[SpecCommit, StepMessage | None]:
+    """The commit a speculative step waits for, and the message bundled with it (if any)."""
+    if isinstance(msg, Committed):
+        return msg.commit, msg.then
+    if isinstance(msg, SpecCommit):
+        return msg, None
+    raise RuntimeError(f"expected SpecCommit after SpecStep, got {type(msg).__name__}")

@@ -93,6 +93,10 @@ class SpecDecoder:
     def discard_ahead(self) -> None:
         self.drafter.discard_ahead()
 
+    def runs_ahead(self, step: SpecStep) -> bool:
+        """Whether a drafting follower drafts ahead after ``step``'s verify."""
+        return self.drafter.runs_ahead(step)
+
     def commit(self, step: SpecStep, commit: SpecCommit, verified: Verified) -> None:
         self.drafter.commit(step.keys, verified, commit.paths())
 

@@ -25,7 +25,6 @@ import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 import torch
@@ -295,7 +294,7 @@ class Drafter:
         and the draft writes its KV only at indices from the root on (uncommitted, rewritten
         by the next extend) in pages the verify just wrote."""
         self.ahead = None
-        if not (step.greedy and self.drafts and self.drafting_rank is not None):
+        if not (self.drafts and self.runs_ahead(step)):
             return
         tree = verified.tree
         accepted = greedy_paths(tree.tokens, tree.parents, verified.logits.float())
@@ -323,6 +322,12 @@ class Drafter:
         wide = all(r + m + cfg.num_draft_tokens <= room for r, m in zip(roots, accepts, strict=True))
         self.ahead = Ahead(guess, paths, np.array([end // ps + 1 for end in last]), tree,
                            self._verify_meta(guess) if wide else None)
+
+    def runs_ahead(self, step: SpecStep) -> bool:
+        """Whether the drafting rank grows the next tree after this step's verify, before
+        the commit and next plan arrive (``run_ahead``): one rank drafts, not rank 0, and
+        rank 0 accepts by the argmax of the verify logits."""
+        return step.greedy and self.drafting_rank not in (None, 0)
 
     def discard_ahead(self) -> None:
         """A message other than the next speculative step came: the guess is void."""
