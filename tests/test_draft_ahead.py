@@ -8,7 +8,7 @@ import numpy as np
 import torch
 
 from tpserve.engine.messages import SpecStep
-from tpserve.spec.drafter import Ahead
+from tpserve.spec.drafter import Ahead, moved_slots
 from tpserve.spec.tree import DraftTree
 
 
@@ -56,3 +56,34 @@ def test_any_difference_the_draft_saw_voids_it() -> None:
     # A request dropped from the batch (it finished): another plan altogether.
     one = _step([5, 6, 7], [3], [40], [[3, 4, 8]], [11])
     assert not ahead.fits(one)
+
+
+def test_a_dtype_difference_alone_still_fits() -> None:
+    """The byte compare falls back to comparing values when the dtypes differ."""
+    ahead, step = _ahead(), _ahead().step
+    assert ahead.fits(dataclasses.replace(step, token_ids=step.token_ids.astype(np.int32)))
+    assert not ahead.fits(dataclasses.replace(step, keys=step.keys[::-1].copy()))
+
+
+def test_moved_slots_compact_each_path_onto_consecutive_slots() -> None:
+    """Applying the moves (every source read before any write, as ``move_slots`` does) leaves
+    node ``path[i]``'s entry at logical index committed + i of its request, across pages,
+    and leaves every other request's and every earlier entry alone."""
+    page_size, paths, committed = 4, [[0, 2, 5, 6], [0, 1, 2], [0, 3], [0]], [9, 2, 14, 5]
+    pages = np.array([[7, 1, 4, 9, 2], [3, 8, 0, 0, 0], [5, 6, 10, 11, 12], [13, 0, 0, 0, 0]])
+    cache = np.arange(14 * page_size) * 10  # slot s holds 10 * s
+
+    def slot(b: int, logical: int) -> int:
+        return int(pages[b, logical // page_size]) * page_size + logical % page_size
+
+    before = cache.copy()
+    moves = moved_slots(pages, committed, paths, page_size)
+    assert moves is not None
+    src, dst = moves
+    cache[dst] = before[src]
+    for b, path in enumerate(paths):
+        for i, node in enumerate(path):
+            assert cache[slot(b, committed[b] + i)] == before[slot(b, committed[b] + node)]
+        for logical in range(committed[b] + 1):
+            assert cache[slot(b, logical)] == before[slot(b, logical)]
+    assert moved_slots(pages, committed, [[0, 1, 2], [0, 1], [0], [0]], page_size) is None

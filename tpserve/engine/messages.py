@@ -79,8 +79,11 @@ class SpecCommit:
     lens: np.ndarray  # [B] int32
 
     def paths(self) -> list[list[int]]:
-        ends = np.cumsum(self.lens)
-        return [self.nodes[e - n : e].tolist() for e, n in zip(ends, self.lens, strict=True)]
+        nodes, out, at = self.nodes.tolist(), [], 0
+        for n in self.lens.tolist():
+            out.append(nodes[at : at + n])
+            at += n
+        return out
 
     @staticmethod
     def of(paths: list[list[int]]) -> SpecCommit:

@@ -52,7 +52,7 @@ class Verified:
     logits: torch.Tensor  # [B, N, V]
     features: torch.Tensor  # [B, N, H] fc'd target features of every node
     pages: np.ndarray  # [B, P] the plan's page table
-    committed: torch.Tensor  # [B] target KV length before the step (= L - 1)
+    committed: np.ndarray  # [B] target KV length before the step (= L - 1)
 
 
 @dataclass(frozen=True)
@@ -253,7 +253,7 @@ class Drafter:
         self.forget(step.drop)
         ahead, self.ahead = self.ahead, None
         with phase("draft"):
-            committed = torch.from_numpy(step.cached_lens + step.q_lens - 1).long()
+            committed = (step.cached_lens + step.q_lens - 1).astype(np.int64)
             if ahead is not None and not ahead.fits(step):
                 self.trees["ahead_wasted"] += 1
                 ahead = None
@@ -393,9 +393,11 @@ class Drafter:
         return out, logp
 
     def _verify(self, tree: DraftTree, meta: AttentionMetadata, pages: np.ndarray,
-                committed: torch.Tensor) -> Verified:
+                committed: np.ndarray) -> Verified:
         batch, n = tree.tokens.shape
-        positions = committed.to(tree.depths.device, non_blocking=True)[:, None] + tree.depths
+        base = torch.from_numpy(committed[:, None])
+        positions = tree.depths + (base if tree.depths.is_cpu
+                                   else base.to(tree.depths.device, non_blocking=True))
         self.runner.threads.fit(batch * n)
         fb = with_inputs(meta, tree.tokens, positions, tree.mask)
         logits, feats = run_static(self.runner.static, self.verify_forward, fb, {})
