@@ -40,7 +40,7 @@ struct DraftWeights {
     std::optional<at::Tensor> maybe(int64_t i) const { return w.get(i); }
 };
 
-// The cache slot of logical draft KV index `logical` of request b (drafter.py's page_slots).
+// The cache slot of logical draft KV index `logical` of request b (metadata.py's write slots).
 int64_t page_slot(const int32_t *pages, int64_t width, int64_t b, int64_t logical,
                   int64_t page_size) {
     TORCH_CHECK(logical / page_size < width,
