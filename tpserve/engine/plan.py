@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from tpserve.engine.forward_batch import ForwardBatch
-from tpserve.layers.attention.metadata import build_metadata
+from tpserve.layers.attention.metadata import SMALL_ROWS, build_metadata
 
 
 class BatchLayout(Protocol):
@@ -49,6 +49,18 @@ def row_offsets(q_lens: np.ndarray) -> np.ndarray:
     return np.arange(int(q_lens.sum())) - np.repeat(starts, q_lens)
 
 
+def causal_positions(q_lens: np.ndarray, cached: np.ndarray) -> np.ndarray:
+    """[N] int64: request b's rows sit at positions cached[b] .. cached[b] + q_lens[b] - 1.
+    A few rows (every decode step of a small batch) on Python ints: numpy costs ~1-2 us a
+    call on arrays this small, and every rank builds this before each forward."""
+    if len(q_lens) <= SMALL_ROWS:
+        counts = q_lens.tolist()
+        if sum(counts) <= SMALL_ROWS:
+            return np.array([c + j for c, n in zip(cached.tolist(), counts, strict=True)
+                             for j in range(n)], dtype=np.int64)
+    return np.repeat(cached, q_lens) + row_offsets(q_lens)
+
+
 def build_forward_batch(layout: BatchLayout, page_size: int, device: torch.device,
                         positions: np.ndarray | None = None, mask_start: np.ndarray | None = None,
                         custom_mask: torch.Tensor | None = None) -> ForwardBatch:
@@ -61,15 +73,12 @@ def build_forward_batch(layout: BatchLayout, page_size: int, device: torch.devic
     """
     q_lens = np.asarray(layout.q_lens, dtype=np.int64)
     cached = np.asarray(layout.cached_lens, dtype=np.int64)
-    offsets = row_offsets(q_lens)
     if positions is None:
-        positions = np.repeat(cached, q_lens) + offsets
-    kv_lens = cached + q_lens
-    meta = build_metadata(layout.page_table, q_lens, kv_lens, page_size, device,
+        positions = causal_positions(q_lens, cached)
+    meta = build_metadata(layout.page_table, q_lens, cached + q_lens, page_size, device,
                           mask_start=mask_start, custom_mask=custom_mask)
-    uniform = int(q_lens[0]) if len(q_lens) and (q_lens == q_lens[0]).all() else 0
     ids = torch.from_numpy(np.ascontiguousarray(layout.token_ids, dtype=np.int64))
     pos = torch.from_numpy(np.ascontiguousarray(positions, dtype=np.int64))
     if device.type != "cpu":
         ids, pos = ids.to(device, non_blocking=True), pos.to(device, non_blocking=True)
-    return ForwardBatch(ids, pos, meta, uniform)
+    return ForwardBatch(ids, pos, meta, meta.uniform_q_len)

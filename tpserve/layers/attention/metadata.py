@@ -80,7 +80,7 @@ def write_slots_for(page_table: np.ndarray, q_lens: np.ndarray, kv_lens: np.ndar
 
 # Below this many rows, index arithmetic on Python ints beats numpy's per-call overhead
 # (~1-2 us an op on a small array; a speculative step builds several layouts per step).
-_SMALL_ROWS = 64
+SMALL_ROWS = 64
 
 
 def _small_write_slots(page_table: np.ndarray, q_lens: list[int], kv_lens: list[int],
@@ -144,7 +144,7 @@ def build_metadata(page_table: ArrayLike, q_lens: ArrayLike, kv_lens: ArrayLike,
         indptr = np.zeros(len(q) + 1, dtype=np.int32)
         np.cumsum(q, out=indptr[1:])
     slots = (_small_write_slots(pages, q.tolist(), kv.tolist(), page_size)
-             if max(int(indptr[-1]), len(q)) <= _SMALL_ROWS else write_slots_for(pages, q, kv, page_size))
+             if max(int(indptr[-1]), len(q)) <= SMALL_ROWS else write_slots_for(pages, q, kv, page_size))
     host = HostLayout(indptr, kv, pages, start)
     on_cpu = device.type == "cpu"
 
