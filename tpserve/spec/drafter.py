@@ -383,7 +383,10 @@ class Drafter:
             packed = torch.cat((tree.tokens, tree.parents, tree.depths,
                                 tree.mask.reshape(batch, n * n)), 1).float()
         assert self.runner.comm is not None
-        whole = self.runner.comm.all_reduce(packed).long()
+        whole = self.runner.comm.all_reduce(packed)
+        if tree is not None:  # the sum is this rank's own tree: no need to unpack it
+            return tree
+        whole = whole.long()
         return DraftTree(whole[:, :n], whole[:, n : 2 * n], whole[:, 2 * n : 3 * n],
                          whole[:, 3 * n :].reshape(batch, n, n) != 0)
 
