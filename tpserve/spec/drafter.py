@@ -87,6 +87,12 @@ class Ahead:
         return bool(np.all((step.page_table[:, :width] == guess.page_table[:, :width]) | ~used))
 
 
+def committed_lens(step: SpecStep) -> np.ndarray:
+    """[B] int32: each request's target KV length before the step's verify, which is also
+    the logical index of its root (the last token, whose KV the verify writes first)."""
+    return (step.cached_lens + step.q_lens - 1).astype(np.int32)
+
+
 def same_array(a: np.ndarray, b: np.ndarray) -> bool:
     """``np.array_equal``, as one byte compare where dtype and shape agree (the usual case:
     ~10x cheaper on the plan's small arrays, on the drafting follower's critical path)."""
@@ -148,7 +154,7 @@ class Drafter:
             refresh([self.verify_forward, self.draft_forward])
 
     def forget(self, keys: np.ndarray) -> None:
-        for key in keys.tolist() if len(keys) else ():
+        for key in keys.tolist():
             self.pending.pop(key, None)
 
     def _features(self, aux: list[torch.Tensor]) -> torch.Tensor:
@@ -253,7 +259,7 @@ class Drafter:
         self.forget(step.drop)
         ahead, self.ahead = self.ahead, None
         with phase("draft"):
-            committed = (step.cached_lens + step.q_lens - 1).astype(np.int64)
+            committed = committed_lens(step).astype(np.int64)
             if ahead is not None and not ahead.fits(step):
                 self.trees["ahead_wasted"] += 1
                 ahead = None
@@ -275,7 +281,7 @@ class Drafter:
             return self._verify(tree, verify_meta, step.page_table, committed)
 
     def _verify_meta(self, step: SpecStep) -> AttentionMetadata:
-        cached = (step.cached_lens + step.q_lens - 1).astype(np.int32)
+        cached = committed_lens(step)
         n = self.cfg.num_draft_tokens
         return tree_metadata(step.page_table, cached, n, cached, n, self.runner.page_size,
                              self.runner.device)
@@ -299,7 +305,7 @@ class Drafter:
         tree = verified.tree
         accepted = greedy_paths(tree.tokens, tree.parents, verified.logits.float())
         # Python ints: a handful of requests, where numpy's per-call cost dominates.
-        roots = (step.cached_lens + step.q_lens - 1).tolist()
+        roots = committed_lens(step).tolist()
         accepts = [len(a.nodes) for a in accepted]
         # The last draft KV index the next tree touches (its temporary nodes), and the last
         # one this step's verify wrote: only pages up to it are surely the request's own.
@@ -342,7 +348,7 @@ class Drafter:
         device, cache, ps = self.runner.device, self.draft_kv.layers[0], self.draft_kv.cfg.page_size
         rows = [self.pending[k] for k in step.keys.tolist()]
         starts = step.cached_lens - 1  # the pending feature of token t is at t - 1
-        committed = (step.cached_lens + step.q_lens - 1).astype(np.int32)
+        committed = committed_lens(step)
         token_ids = np.ascontiguousarray(step.token_ids, dtype=np.int64)
         roots = torch.from_numpy(token_ids[np.cumsum(step.q_lens) - 1])
         beam = len(rows) * self.cfg.topk

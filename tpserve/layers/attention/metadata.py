@@ -98,9 +98,12 @@ def _small_write_slots(page_table: np.ndarray, q_lens: list[int], kv_lens: list[
 
 @dataclass(frozen=True)
 class _Extents:
-    """What the checks learn on the way: the largest query and key counts, and the common
-    query count (0 when they differ or some request has none)."""
+    """What the checks learn on the way: the query and key counts as Python ints, the
+    largest of each, and the common query count (0 when they differ or some request has
+    none)."""
 
+    q: list[int]
+    kv: list[int]
     max_q: int
     max_kv: int
     uniform_q: int
@@ -115,7 +118,7 @@ def _check(page_table: np.ndarray, q_lens: np.ndarray, kv_lens: np.ndarray, page
     if (mask_start is None) != (custom_mask is None):
         raise ValueError("mask_start and custom_mask go together")
     if not len(q_lens):
-        return _Extents(0, 0, 0)
+        return _Extents([], [], 0, 0, 0)
     q, kv = q_lens.tolist(), kv_lens.tolist()
     min_q, max_q, max_kv = min(q), max(q), max(kv)
     if min_q < 0 or any(a > b for a, b in zip(q, kv, strict=True)):
@@ -126,7 +129,7 @@ def _check(page_table: np.ndarray, q_lens: np.ndarray, kv_lens: np.ndarray, page
         shape = tuple(custom_mask.shape)
         if len(shape) != 3 or shape[0] != len(q_lens) or shape[1] < max_q:
             raise ValueError(f"custom_mask {shape} must be [batch, >= max q_len, M]")
-    return _Extents(max_q, max_kv, max_q if min_q == max_q else 0)
+    return _Extents(q, kv, max_q, max_kv, max_q if min_q == max_q else 0)
 
 
 def build_metadata(page_table: ArrayLike, q_lens: ArrayLike, kv_lens: ArrayLike, page_size: int,
@@ -143,8 +146,9 @@ def build_metadata(page_table: ArrayLike, q_lens: ArrayLike, kv_lens: ArrayLike,
     else:
         indptr = np.zeros(len(q) + 1, dtype=np.int32)
         np.cumsum(q, out=indptr[1:])
-    slots = (_small_write_slots(pages, q.tolist(), kv.tolist(), page_size)
-             if max(int(indptr[-1]), len(q)) <= SMALL_ROWS else write_slots_for(pages, q, kv, page_size))
+    slots = (_small_write_slots(pages, ext.q, ext.kv, page_size)
+             if max(int(indptr[-1]), len(q)) <= SMALL_ROWS
+             else write_slots_for(pages, q, kv, page_size))
     host = HostLayout(indptr, kv, pages, start)
     on_cpu = device.type == "cpu"
 
