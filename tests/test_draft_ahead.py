@@ -8,7 +8,7 @@ import numpy as np
 import torch
 
 from tpserve.engine.messages import SpecStep
-from tpserve.spec.drafter import Ahead, moved_slots
+from tpserve.spec.drafter import Ahead, Guess, moved_slots, plan_fingerprint
 from tpserve.spec.tree import DraftTree
 
 
@@ -87,3 +87,28 @@ def test_moved_slots_compact_each_path_onto_consecutive_slots() -> None:
         for logical in range(committed[b] + 1):
             assert cache[slot(b, logical)] == before[slot(b, logical)]
     assert moved_slots(pages, committed, [[0, 1, 2], [0, 1], [0], [0]], page_size) is None
+
+
+def test_only_the_exact_plan_is_the_guess() -> None:
+    """Rank 0 says "as guessed" only for a plan equal to the guess in every field but the
+    page table (which then travels along, and the follower checks it as for any plan): a
+    dropped key, say, makes it send the whole plan."""
+    guess = Guess(_ahead().step, [[0, 1, 2], [0]], [43, 19])
+    g = guess.step
+    same = _step([5, 6, 7, 9], [3, 1], [40, 18], [[3, 4, 8], [1, 2, 0]], [11, 12])
+    assert guess.is_plan(same) and guess.same_pages(same)
+    assert guess.fingerprint() == plan_fingerprint(same)
+    paged = dataclasses.replace(g, page_table=np.array([[3, 4, 8], [1, 2, 7]], dtype=np.int32))
+    assert guess.is_plan(paged) and not guess.same_pages(paged)
+    for real in (dataclasses.replace(g, drop=np.array([3], dtype=np.int64)),
+                 dataclasses.replace(g, greedy=False),
+                 dataclasses.replace(g, token_ids=np.array([5, 6, 8, 9], dtype=np.int64)),
+                 dataclasses.replace(g, q_lens=np.array([2, 2], dtype=np.int32)),
+                 dataclasses.replace(g, cached_lens=np.array([41, 18], dtype=np.int32)),
+                 dataclasses.replace(g, keys=np.array([12, 11], dtype=np.int64))):
+        assert not guess.is_plan(real)
+    # The fingerprint a follower checks tells other tokens or counts apart.
+    other = dataclasses.replace(g, token_ids=np.array([5, 6, 7, 8], dtype=np.int64))
+    assert plan_fingerprint(other) != guess.fingerprint()
+    split = dataclasses.replace(g, q_lens=np.array([2, 2], dtype=np.int32))
+    assert plan_fingerprint(split) != guess.fingerprint()

@@ -13,6 +13,7 @@ from tpserve.engine.messages import (
     ConfigChange,
     DraftFeed,
     ForwardStep,
+    Guessed,
     Shutdown,
     SpecCommit,
     SpecSettings,
@@ -42,7 +43,8 @@ MESSAGES = [
     SpecCommit.of([[0, 2, 3], [0], [0, 1]]),
     ConfigChange(allreduce="shm"), ConfigChange(speculative=SpecSettings(True, 4, 2, 8)),
     ConfigChange(), Shutdown(),
-    Committed(SpecCommit.of([[0, 1], [0]]), _forward(True)),
+    Committed(SpecCommit.of([[0, 1], [0]]), _forward(True)), Guessed(0xFFFFFFFF),
+    Guessed(3, np.array([[4, 5, 0]], dtype=np.int32)),
 ]
 
 
@@ -70,6 +72,7 @@ def test_every_kind_is_registered_and_compact() -> None:
     step = ForwardStep(np.zeros((32, 1), np.int64), np.ones(32, np.int32), np.ones(32, np.int32),
                        np.zeros((32, 64), np.int32), np.arange(32))
     assert len(encode(step)) < 32 * (8 + 4 + 4 + 64 * 4 + 8) + 100
+    assert len(encode(Guessed(7))) == 12  # what replaces a whole commit and plan
 
 
 def test_spec_commit_paths_round_trip() -> None:

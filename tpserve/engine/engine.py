@@ -30,7 +30,15 @@ from tpserve.engine.adapt import AdaptiveDriver, current_setting, take_adaptive
 from tpserve.engine.admin import apply_change, spec_settings, validate_change
 from tpserve.engine.finish import append_tokens, emit_progress, fail_request
 from tpserve.engine.follower import Channel, run_forward
-from tpserve.engine.messages import Committed, Shutdown, SpecCommit, StepMessage, encode
+from tpserve.engine.messages import (
+    Committed,
+    Guessed,
+    Shutdown,
+    SpecCommit,
+    SpecStep,
+    StepMessage,
+    encode,
+)
 from tpserve.engine.profiler import StepProfiler, TraceCapture
 from tpserve.engine.request import Request
 from tpserve.engine.runner import ModelRunner
@@ -38,6 +46,7 @@ from tpserve.engine.sampler import apply_min_tokens, apply_penalties, sample
 from tpserve.engine.scheduler import ScheduledBatch, Scheduler
 from tpserve.spec.adaptive import OFF
 from tpserve.spec.decoder import Decision, SpecDecoder
+from tpserve.spec.drafter import Guess
 from tpserve.spec.verify import Accepted
 
 log = logging.getLogger(__name__)
@@ -87,6 +96,7 @@ class Engine:
         # A speculative step's commit not yet sent: it rides with the next message
         # (``messages.Committed``), see ``_spec_step``.
         self._held_commit: SpecCommit | None = None
+        self._held_guess: Guess | None = None  # what the drafting follower assumes it is
         # Requests whose output events the last plain step left for the next forward to send
         # (``_commit``, ``HostWork``).
         self._events: list[Request] = []
@@ -127,7 +137,13 @@ class Engine:
     def broadcast(self, msg: StepMessage) -> None:
         if self.channel is not None:
             if self._held_commit is not None:
-                msg, self._held_commit = Committed(self._held_commit, msg), None
+                guess, self._held_guess = self._held_guess, None
+                if guess is not None and isinstance(msg, SpecStep) and guess.is_plan(msg):
+                    msg = Guessed(guess.fingerprint(),
+                                  None if guess.same_pages(msg) else msg.page_table)
+                else:
+                    msg = Committed(self._held_commit, msg)
+                self._held_commit = None
             start = time.perf_counter()
             self.channel.send(encode(msg))
             self.stats.control_seconds += time.perf_counter() - start
@@ -319,6 +335,8 @@ class Engine:
             # The drafting follower reads the commit only after drafting ahead, by when the
             # next plan is out too: it goes with that plan, one message instead of two.
             self._held_commit = decision.commit
+            # and where it works out this very commit and plan itself, says only "as guessed"
+            self._held_guess = spec.guess(msg, decision)
         else:  # followers compact while this rank plans
             with prof.phase("control"):
                 self.broadcast(decision.commit)

@@ -17,6 +17,7 @@ from tpserve.engine.messages import (
     Committed,
     ConfigChange,
     ForwardStep,
+    Guessed,
     Shutdown,
     SpecCommit,
     SpecStep,
@@ -79,7 +80,10 @@ def follow(runner: ModelRunner, channel: Channel, spec: SpecDecoder | None = Non
                 raise RuntimeError("a speculative step arrived, but this rank has no draft")
             verified = spec.run(msg, scope)
             spec.run_ahead(msg, verified)
-            commit, then = split_commit(receive(channel))
+            reply = receive(channel)
+            commit, then = (spec.guessed(reply.fingerprint, reply.page_table)
+                            if isinstance(reply, Guessed)
+                            else split_commit(reply))
             spec.commit(msg, commit, verified)
             msg = then
             continue

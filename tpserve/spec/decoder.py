@@ -20,7 +20,7 @@ from tpserve.engine.messages import DraftFeed, ForwardStep, SpecCommit, SpecSett
 from tpserve.engine.request import Request
 from tpserve.engine.runner import ForwardOutput
 from tpserve.spec.config import SpecConfig
-from tpserve.spec.drafter import Drafter, PhaseScope, Verified
+from tpserve.spec.drafter import Drafter, Guess, PhaseScope, Verified
 from tpserve.spec.stats import SpecStats, record_request
 from tpserve.spec.verify import (
     Accepted,
@@ -96,6 +96,11 @@ class SpecDecoder:
     def runs_ahead(self, step: SpecStep) -> bool:
         """Whether a drafting follower drafts ahead after ``step``'s verify."""
         return self.drafter.runs_ahead(step)
+
+    def guessed(self, fingerprint: int, page_table: np.ndarray | None
+                ) -> tuple[SpecCommit, SpecStep]:
+        """A drafting follower told ``Guessed``: the commit and plan it drafted ahead for."""
+        return self.drafter.guessed(fingerprint, page_table)
 
     def commit(self, step: SpecStep, commit: SpecCommit, verified: Verified) -> None:
         self.drafter.commit(step.keys, verified, commit.paths())
@@ -213,6 +218,14 @@ class SpecDecoder:
             logprobs = [token_logprobs(req, acc, logits[b])
                         for b, (req, acc) in enumerate(zip(reqs, accepted, strict=True))]
         return Decision(SpecCommit.of([a.nodes for a in accepted]), accepted, logprobs)
+
+    def guess(self, step: SpecStep, decision: Decision) -> Guess | None:
+        """Rank 0: the commit and plan the other ranks assume after ``step`` when every one
+        of them does (``Drafter.guessed_by_all``), else None. ``decision`` holds the argmax
+        paths then (``step.greedy``), the very ones the follower found."""
+        if not self.drafter.guessed_by_all(step):
+            return None
+        return self.drafter.guess(step, decision.accepted)
 
     def finish_step(self, reqs: Sequence[Request], decision: Decision) -> None:
         """After the tokens are appended: per-request and server statistics."""

@@ -22,16 +22,17 @@ messages then only confirm it.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+import zlib
+from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
 
 from tpserve.engine.forward_batch import ForwardBatch
 from tpserve.engine.kv_cache import KVCache
-from tpserve.engine.messages import DraftFeed, ForwardStep, SpecStep
+from tpserve.engine.messages import DraftFeed, ForwardStep, SpecCommit, SpecStep
 from tpserve.engine.plan import Layout, build_forward_batch
 from tpserve.engine.runner import ForwardOutput, ModelRunner
 from tpserve.engine.static_forward import draft_forward, run_static, verify_forward
@@ -40,7 +41,7 @@ from tpserve.models.eagle3 import Eagle3Draft
 from tpserve.spec.config import SpecConfig
 from tpserve.spec.eagle import can_grow_natively, draft_tree, grow_natively
 from tpserve.spec.tree import DraftTree, tree_metadata, with_inputs
-from tpserve.spec.verify import greedy_paths
+from tpserve.spec.verify import Accepted, greedy_paths
 
 # Enters a named part of the step: tags its allreduces (and times it on rank 0).
 PhaseScope = Callable[[str], AbstractContextManager[None]]
@@ -87,6 +88,37 @@ class Ahead:
         return bool(np.all((step.page_table[:, :width] == guess.page_table[:, :width]) | ~used))
 
 
+@dataclass(frozen=True)
+class Guess:
+    """The commit and next plan a greedy speculative step leads to when no request
+    finishes, joins or leaves: the same requests, each extended by its accepted tokens, on
+    the pages it holds (the real plan may add pages)."""
+
+    step: SpecStep
+    paths: list[list[int]]
+    lens: list[int]  # each request's sequence length after the commit
+
+    def fingerprint(self) -> int:
+        return plan_fingerprint(self.step)
+
+    def is_plan(self, step: SpecStep) -> bool:
+        """``step`` is the guessed plan, field by field, but for its page table
+        (``same_pages`` says whether that too is the guess's)."""
+        guess = self.step
+        return (step.greedy == guess.greedy and same_array(step.token_ids, guess.token_ids)
+                and same_array(step.q_lens, guess.q_lens)
+                and same_array(step.cached_lens, guess.cached_lens)
+                and same_array(step.keys, guess.keys) and same_array(step.drop, guess.drop))
+
+    def same_pages(self, step: SpecStep) -> bool:
+        return same_array(step.page_table, self.step.page_table)
+
+
+def plan_fingerprint(step: SpecStep) -> int:
+    """CRC-32 of a plan's tokens and counts (``Guessed`` carries rank 0's guess's)."""
+    return zlib.crc32(step.q_lens.tobytes(), zlib.crc32(step.token_ids.tobytes()))
+
+
 def committed_lens(step: SpecStep) -> np.ndarray:
     """[B] int32: each request's target KV length before the step's verify, which is also
     the logical index of its root (the last token, whose KV the verify writes first)."""
@@ -105,7 +137,7 @@ class Drafter:
     def __init__(self, runner: ModelRunner, draft: Eagle3Draft, draft_kv: KVCache,
                  cfg: SpecConfig, aux_layers: tuple[int, ...],
                  embed: torch.nn.Module | None = None, drafting_rank: int | None = None,
-                 rank: int = 0) -> None:
+                 rank: int = 0, world: int = 1) -> None:
         self.runner, self.draft, self.draft_kv, self.cfg = runner, draft, draft_kv, cfg
         # One rank drafts (``drafting_rank``) and hands the tree to the others in one
         # collective (``_hand_over``), or (None) every rank drafts the same tree. Only the
@@ -113,6 +145,7 @@ class Drafter:
         # pending features (rank 0 plans with their counts).
         self.drafting_rank = drafting_rank
         self.drafts = drafting_rank is None or rank == drafting_rank
+        self.world = world
         # The token embedding the draft reads (a whole replica when the draft is not sharded,
         # so drafting issues no collective); default: the target's own.
         self.embed = embed if embed is not None else runner.model.embed_tokens
@@ -125,7 +158,8 @@ class Drafter:
         self.feed_seconds = 0.0
         # Trees grown by the one native call vs the per-depth loop (reported in the stats).
         # Trees grown ahead (``run_ahead``) that the next plan used, or that it did not.
-        self.trees = {"native": 0, "loop": 0, "ahead": 0, "ahead_wasted": 0}
+        # Of the trees grown ahead, those whose plan rank 0 confirmed as guessed (``Guessed``).
+        self.trees = {"native": 0, "loop": 0, "ahead": 0, "ahead_wasted": 0, "guessed": 0}
         self.ahead: Ahead | None = None
         self.page_features = torch.zeros(draft_kv.cfg.num_pages, draft.cfg.base.hidden_size,
                                          dtype=draft.fc.weight.dtype, device=runner.device)
@@ -303,31 +337,63 @@ class Drafter:
         if not (self.drafts and self.runs_ahead(step)):
             return
         tree = verified.tree
-        accepted = greedy_paths(tree.tokens, tree.parents, verified.logits.float())
-        # Python ints: a handful of requests, where numpy's per-call cost dominates.
-        roots = committed_lens(step).tolist()
-        accepts = [len(a.nodes) for a in accepted]
-        # The last draft KV index the next tree touches (its temporary nodes), and the last
-        # one this step's verify wrote: only pages up to it are surely the request's own.
-        cfg, ps = self.cfg, self.draft_kv.cfg.page_size
-        extra = max((cfg.num_steps - 1) * cfg.topk - 1, 0)
-        last = [r + m + extra for r, m in zip(roots, accepts, strict=True)]
-        if any(end // ps > (r + cfg.num_draft_tokens - 1) // ps
-               for end, r in zip(last, roots, strict=True)):
+        guess = self.guess(step, greedy_paths(tree.tokens, tree.parents,
+                                              verified.logits.float()))
+        if guess is None:
             return
-        guess = SpecStep(np.array([t for a in accepted for t in a.tokens], dtype=np.int64),
-                         np.array(accepts, dtype=np.int32),
-                         np.array([r + 1 for r in roots], dtype=np.int32), step.page_table,
-                         step.keys, np.zeros(0, dtype=np.int64), True)
-        paths = [a.nodes for a in accepted]
-        self.keep(step.keys, verified, paths)
-        tree = self._draft(guess)
+        self.keep(step.keys, verified, guess.paths)
+        tree = self._draft(guess.step)
         # The verify layout too, where the assumed page table is wide enough for it (used only
         # if the real plan brings that very table).
+        cfg, ps = self.cfg, self.draft_kv.cfg.page_size
         room = step.page_table.shape[1] * ps
-        wide = all(r + m + cfg.num_draft_tokens <= room for r, m in zip(roots, accepts, strict=True))
-        self.ahead = Ahead(guess, paths, np.array([end // ps + 1 for end in last]), tree,
-                           self._verify_meta(guess) if wide else None)
+        wide = all(n + cfg.num_draft_tokens <= room for n in guess.lens)
+        self.ahead = Ahead(guess.step, guess.paths,
+                           np.array([(n + self._temporary_nodes()) // ps + 1 for n in guess.lens]),
+                           tree, self._verify_meta(guess.step) if wide else None)
+
+    def _temporary_nodes(self) -> int:
+        """How far past the next root the next tree's temporary draft nodes reach."""
+        return max((self.cfg.num_steps - 1) * self.cfg.topk - 1, 0)
+
+    def guess(self, step: SpecStep, accepted: Sequence[Accepted]) -> Guess | None:
+        """The commit and next plan after greedy ``step`` whose argmax paths are ``accepted``,
+        as the drafting follower assumes them (rank 0 checks its real ones against the same
+        guess), or None where the next tree would reach past the pages this step's verify
+        wrote (only those are surely the request's own)."""
+        # Python ints: a handful of requests, where numpy's per-call cost dominates.
+        roots = committed_lens(step).tolist()
+        lens = [r + len(a.nodes) for r, a in zip(roots, accepted, strict=True)]
+        ps, extra = self.draft_kv.cfg.page_size, self._temporary_nodes()
+        if any((n + extra) // ps > (r + self.cfg.num_draft_tokens - 1) // ps
+               for n, r in zip(lens, roots, strict=True)):
+            return None
+        plan = SpecStep(np.array([t for a in accepted for t in a.tokens], dtype=np.int64),
+                        np.array([len(a.nodes) for a in accepted], dtype=np.int32),
+                        np.array([r + 1 for r in roots], dtype=np.int32), step.page_table,
+                        step.keys, np.zeros(0, dtype=np.int64), True)
+        return Guess(plan, [a.nodes for a in accepted], lens)
+
+    def guessed_by_all(self, step: SpecStep) -> bool:
+        """Whether every other rank works out ``guess`` itself after ``step``: the drafting
+        follower runs ahead and is the only other rank."""
+        return self.runs_ahead(step) and self.world == 2
+
+    def guessed(self, fingerprint: int, page_table: np.ndarray | None
+                ) -> tuple[SpecCommit, SpecStep]:
+        """On the drafting follower, for a ``Guessed`` message: the commit and plan it
+        assumed when it drafted ahead (rank 0's guess has ``fingerprint``), with the real
+        ``page_table`` where it differs."""
+        ahead = self.ahead
+        if ahead is None:
+            raise RuntimeError("rank 0 confirmed a guess, but this rank drafted none ahead")
+        if plan_fingerprint(ahead.step) != fingerprint:
+            raise RuntimeError("rank 0 confirmed another guess than this rank's: the ranks' "
+                               "verify logits differ")
+        self.trees["guessed"] += 1
+        step = (ahead.step if page_table is None
+                else replace(ahead.step, page_table=page_table))
+        return SpecCommit.of(ahead.paths), step
 
     def runs_ahead(self, step: SpecStep) -> bool:
         """Whether the drafting rank grows the next tree after this step's verify, before

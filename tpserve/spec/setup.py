@@ -94,7 +94,7 @@ def make_decoder(loaded: LoadedDraft, cfg: SpecConfig, runner: ModelRunner, tp: 
     drafting = drafting_rank(draft_ranks, tp.size, loaded.model.tp.size, runner.device,
                              runner.model.cfg.vocab_size)
     return SpecDecoder(Drafter(runner, loaded.model, draft_kv, cfg, loaded.aux_layers, embed,
-                               drafting, tp.rank))
+                               drafting, tp.rank, tp.size))
 
 
 DRAFT_RANKS = ("auto", "all", "one")
