@@ -61,10 +61,11 @@ _MAX_CACHED_VIEWS = 512
 # 8 ranks 4K 75 vs 23, 32K 164 vs 149, 256K 1433 vs 2380.
 _LOOP_MIN_NUMEL = 32768
 # Gathers whose result is smaller than this go as one compiled exchange of a zero-padded sum
-# (one C call) instead of a copy-once round driven from Python. Measured, 2 ranks, fp32 rows
+# instead of a copy-once round. Measured, 2 ranks, fp32 rows
 # of 1024, median us, gather vs padded sum: 8 KB 74 vs 56, 16 KB 104 vs 66, 32 KB 111 vs 160,
 # 64 KB 158 vs 273, 128 KB 168 vs 347 (shared 2-core VM under load: the crossover, not the
-# absolute numbers, is the point).
+# absolute numbers, is the point). The gather round is one C call too now (``_gather_plan``);
+# the sum still wins at one row of 1024 fp32 (17-23 vs 26 us), the gather from 8 rows.
 _GATHER_VIA_SUM_BYTES = 24 << 10
 
 
@@ -348,6 +349,15 @@ class ShmAllReduce(AllReduce):
                 chunk = rows[start : start + step]
                 views = self._one_shot_views(x.dtype, chunk.shape, 1 - self._last)
                 self._last = 1 - self._last
+                if self._native is not None:
+                    # One call: my rows out, every peer's rows in, straight into place
+                    # (was: copy in, FlagBoard's publish and wait, a transposing copy out).
+                    # 2 ranks, 2-vCPU Zen 3, fp32 rows of 1024: 8 rows 58 -> 32-39 us, 64
+                    # rows 118 -> 58-66 us (a speculative verify's logits at batch 1 and 8).
+                    into = out[start : start + step]
+                    into[:, self.rank].copy_(chunk)
+                    self._exchange(self._gather_plan(views, into), into)
+                    continue
                 views.mine.copy_(chunk)
                 self._step()
                 out[start : start + step].copy_(views.stack.transpose(0, 1))
@@ -356,6 +366,25 @@ class ShmAllReduce(AllReduce):
                 board.abort(f"interrupted by {type(exc).__name__}")
             raise
         return out.view(*x.shape[:-1], self.world_size * width)
+
+    def _gather_plan(self, views: _OneShot, out: torch.Tensor) -> ExchangePlan:
+        """The compiled exchange of an all-gather round: ``out`` [rows, world, width] holds my
+        rows at ``[:, rank]``; they go to my slot of ``views``, and each peer's rows come from
+        its slot to ``[:, k]`` (offsets only: the plan serves any ``out`` of that shape)."""
+        def build() -> ExchangePlan:
+            rows, world = out.shape[0], self.world_size
+            row_bytes = out.shape[2] * out.element_size()
+
+            def spans(ranks: list[int]) -> list[tuple[int, int, int]]:
+                return [(views.stack[k, r].data_ptr(), (r * world + k) * row_bytes, row_bytes)
+                        for r in range(rows) for k in ranks]
+
+            peers = [k for k in range(world) if k != self.rank]
+            return exchange_plan(self._cboard, [], spans([self.rank]), spans(peers), None, 0, 0,
+                                 out.dtype)
+
+        key = ("gather", out.dtype, tuple(out.shape), views.mine.data_ptr())
+        return self._cache(key, build)
 
     def _single_round_views(self, tensor: torch.Tensor, nbytes: int) -> _OneShot | _TwoShot | None:
         """Views for a message that fits one chunk, cached under the hot path's key; None if

@@ -50,9 +50,10 @@ typedef struct {
      * entry `rank` is replaced by my segment of the caller's tensor. */
     const void *const *rows;
     const span_t *publish;   /* copied tensor -> segment before the first publish */
-    const span_t *gather;    /* two-shot: copied segment -> tensor after the second wait */
+    const span_t *gather;    /* two-shot: copied segment -> tensor after the second wait;
+                              * a gather (n = 0, one round): peers' rows after the first */
     void *out2;              /* two-shot: my segment of my out-half (peers gather it); else NULL */
-    int64_t n;               /* elements reduced */
+    int64_t n;               /* elements reduced (0: a gather, nothing summed) */
     int64_t offset;          /* byte offset of the reduced elements in the tensor */
     int32_t dtype;           /* 0 fp32, 1 bf16, 2 fp16 */
     int32_t rounds;          /* 1 one-shot, 2 two-shot */
@@ -140,12 +141,13 @@ int32_t exchange(const plan_t *p, char *x, int64_t seq, int32_t stage) {
         stage = 1;
         if (!spin_wait(b, seq)) return stage;
     }
-    if (stage == 1) {
+    if (stage == 1 && p->n > 0) { /* n = 0: a gather (one round, no sum) */
         const void *rows[MAX_RANKS];
         for (int32_t k = 0; k < b->world; k++) rows[k] = p->rows[k];
         if (p->rounds == 2) rows[b->rank] = x + p->offset;
         reduce(p->dtype, rows, b->world, x + p->offset, p->out2, p->n);
-        if (p->rounds == 1) return 0;
+    }
+    if (stage == 1 && p->rounds == 2) {
         publish(b, seq + 1);
         stage = 2;
         if (!spin_wait(b, seq + 1)) return stage;
