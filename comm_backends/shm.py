@@ -349,16 +349,13 @@ class ShmAllReduce(AllReduce):
                 chunk = rows[start : start + step]
                 views = self._one_shot_views(x.dtype, chunk.shape, 1 - self._last)
                 self._last = 1 - self._last
+                views.mine.copy_(chunk)
                 if self._native is not None:
-                    # One call: my rows out, every peer's rows in, straight into place
-                    # (was: copy in, FlagBoard's publish and wait, a transposing copy out).
-                    # 2 ranks, 2-vCPU Zen 3, fp32 rows of 1024: 8 rows 58 -> 32-39 us, 64
-                    # rows 118 -> 58-66 us (a speculative verify's logits at batch 1 and 8).
+                    # One C call publishes, waits and puts every rank's rows in place (was:
+                    # FlagBoard's publish and wait from Python, a transposing copy out).
                     into = out[start : start + step]
-                    into[:, self.rank].copy_(chunk)
                     self._exchange(self._gather_plan(views, into), into)
                     continue
-                views.mine.copy_(chunk)
                 self._step()
                 out[start : start + step].copy_(views.stack.transpose(0, 1))
         except BaseException as exc:
@@ -368,23 +365,19 @@ class ShmAllReduce(AllReduce):
         return out.view(*x.shape[:-1], self.world_size * width)
 
     def _gather_plan(self, views: _OneShot, out: torch.Tensor) -> ExchangePlan:
-        """The compiled exchange of an all-gather round: ``out`` [rows, world, width] holds my
-        rows at ``[:, rank]``; they go to my slot of ``views``, and each peer's rows come from
-        its slot to ``[:, k]`` (offsets only: the plan serves any ``out`` of that shape)."""
+        """The compiled exchange of an all-gather round whose rows are already in my slot of
+        ``views``: publish, wait, then rank k's rows from its slot to ``out[:, k]`` (``out``
+        [rows, world, width]; offsets only, so the plan serves any ``out`` of that shape).
+        2 ranks, 2-vCPU Zen 3, fp32 rows of 1024: 8 rows 58 -> 32-39 us, 64 rows 118 ->
+        58-66 us (a speculative verify's logits at batch 1 and 8)."""
         def build() -> ExchangePlan:
             rows, world = out.shape[0], self.world_size
             row_bytes = out.shape[2] * out.element_size()
+            gather = [(views.stack[k, r].data_ptr(), (r * world + k) * row_bytes, row_bytes)
+                      for r in range(rows) for k in range(world)]
+            return exchange_plan(self._cboard, [], [], gather, None, 0, 0, out.dtype)
 
-            def spans(ranks: list[int]) -> list[tuple[int, int, int]]:
-                return [(views.stack[k, r].data_ptr(), (r * world + k) * row_bytes, row_bytes)
-                        for r in range(rows) for k in ranks]
-
-            peers = [k for k in range(world) if k != self.rank]
-            return exchange_plan(self._cboard, [], spans([self.rank]), spans(peers), None, 0, 0,
-                                 out.dtype)
-
-        key = ("gather", out.dtype, tuple(out.shape), views.mine.data_ptr())
-        return self._cache(key, build)
+        return self._cache(("gather", views.mine.data_ptr(), out.shape), build)
 
     def _single_round_views(self, tensor: torch.Tensor, nbytes: int) -> _OneShot | _TwoShot | None:
         """Views for a message that fits one chunk, cached under the hot path's key; None if
