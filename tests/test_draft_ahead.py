@@ -27,6 +27,14 @@ def _ahead() -> Ahead:
     return Ahead(guess, [[0, 1, 2], [0]], np.array([3, 2]), tree, None)  # type: ignore[arg-type]
 
 
+def _each_field_changed(g: SpecStep) -> tuple[SpecStep, ...]:
+    """The plan ``g`` with one of its tokens, counts, lengths or keys changed."""
+    return (dataclasses.replace(g, token_ids=np.array([5, 6, 8, 9], dtype=np.int64)),
+            dataclasses.replace(g, q_lens=np.array([2, 2], dtype=np.int32)),
+            dataclasses.replace(g, cached_lens=np.array([41, 18], dtype=np.int32)),
+            dataclasses.replace(g, keys=np.array([12, 11], dtype=np.int64)))
+
+
 def test_the_assumed_plan_fits() -> None:
     ahead = _ahead()
     assert ahead.fits(ahead.step) and ahead.same_pages(ahead.step)
@@ -47,11 +55,7 @@ def test_any_difference_the_draft_saw_voids_it() -> None:
     moved = np.array([[3, 4, 8], [1, 6, 0]], dtype=np.int32)  # a page the draft wrote
     narrow = np.array([[3, 4], [1, 2]], dtype=np.int32)
     for real in (dataclasses.replace(g, page_table=moved),
-                 dataclasses.replace(g, page_table=narrow),
-                 dataclasses.replace(g, token_ids=np.array([5, 6, 8, 9], dtype=np.int64)),
-                 dataclasses.replace(g, q_lens=np.array([2, 2], dtype=np.int32)),
-                 dataclasses.replace(g, cached_lens=np.array([41, 18], dtype=np.int32)),
-                 dataclasses.replace(g, keys=np.array([12, 11], dtype=np.int64))):
+                 dataclasses.replace(g, page_table=narrow), *_each_field_changed(g)):
         assert not ahead.fits(real)
     # A request dropped from the batch (it finished): another plan altogether.
     one = _step([5, 6, 7], [3], [40], [[3, 4, 8]], [11])
@@ -101,11 +105,7 @@ def test_only_the_exact_plan_is_the_guess() -> None:
     paged = dataclasses.replace(g, page_table=np.array([[3, 4, 8], [1, 2, 7]], dtype=np.int32))
     assert guess.is_plan(paged) and not guess.same_pages(paged)
     for real in (dataclasses.replace(g, drop=np.array([3], dtype=np.int64)),
-                 dataclasses.replace(g, greedy=False),
-                 dataclasses.replace(g, token_ids=np.array([5, 6, 8, 9], dtype=np.int64)),
-                 dataclasses.replace(g, q_lens=np.array([2, 2], dtype=np.int32)),
-                 dataclasses.replace(g, cached_lens=np.array([41, 18], dtype=np.int32)),
-                 dataclasses.replace(g, keys=np.array([12, 11], dtype=np.int64))):
+                 dataclasses.replace(g, greedy=False), *_each_field_changed(g)):
         assert not guess.is_plan(real)
     # The fingerprint a follower checks tells other tokens or counts apart.
     other = dataclasses.replace(g, token_ids=np.array([5, 6, 7, 8], dtype=np.int64))
