@@ -75,9 +75,7 @@ class Ahead:
         requests, pending tokens and lengths, and the same pages wherever the draft went
         (a page the real plan added beyond them does not matter; dropped keys neither)."""
         guess = self.step
-        if not (same_array(step.keys, guess.keys) and same_array(step.q_lens, guess.q_lens)
-                and same_array(step.cached_lens, guess.cached_lens)
-                and same_array(step.token_ids, guess.token_ids)):
+        if not same_requests(step, guess):
             return False
         if self.same_pages(step):
             return True
@@ -105,10 +103,8 @@ class Guess:
         """``step`` is the guessed plan, field by field, but for its page table
         (``same_pages`` says whether that too is the guess's)."""
         guess = self.step
-        return (step.greedy == guess.greedy and same_array(step.token_ids, guess.token_ids)
-                and same_array(step.q_lens, guess.q_lens)
-                and same_array(step.cached_lens, guess.cached_lens)
-                and same_array(step.keys, guess.keys) and same_array(step.drop, guess.drop))
+        return (step.greedy == guess.greedy and same_requests(step, guess)
+                and same_array(step.drop, guess.drop))
 
     def same_pages(self, step: SpecStep) -> bool:
         return same_array(step.page_table, self.step.page_table)
@@ -123,6 +119,13 @@ def committed_lens(step: SpecStep) -> np.ndarray:
     """[B] int32: each request's target KV length before the step's verify, which is also
     the logical index of its root (the last token, whose KV the verify writes first)."""
     return (step.cached_lens + step.q_lens - 1).astype(np.int32)
+
+
+def same_requests(a: SpecStep, b: SpecStep) -> bool:
+    """The two plans carry the same requests with the same pending tokens and lengths."""
+    return (same_array(a.keys, b.keys) and same_array(a.q_lens, b.q_lens)
+            and same_array(a.cached_lens, b.cached_lens)
+            and same_array(a.token_ids, b.token_ids))
 
 
 def same_array(a: np.ndarray, b: np.ndarray) -> bool:
