@@ -763,3 +763,20 @@ def test_a_launch_tree_timed_slow_in_its_first_steps_is_re_measured_soon() -> No
     rates = {1: 0.7, 2: 0.9}
     ratios = against_pinned(lambda i: rates, lambda i: 3.0 if i < 12 else 1.0, seeds=6)
     assert min(ratios) >= 0.88 and sum(ratios) / len(ratios) >= 0.95, ratios
+
+
+def test_predictions_kept_across_unfollowed_steps_match_a_fresh_fit() -> None:
+    """An unfollowed plain step drops only plain decoding's cached figures (the speculative
+    ones never read such steps): every prediction afterwards equals one fitted afresh."""
+    allowed = candidates(TREE, 8, shapes_fixed=False)
+    chooser = AdaptiveChooser(TREE, allowed)
+    drive(chooser, 8, 300, random.Random(9))
+    before = {s: chooser.predict(8, s) for s in allowed}
+    for ms in (9.0, 14.0, 11.0, 12.5):
+        chooser.observe(OFF, 8, ms, ms, 0.0, 8, fed=False)
+        cached = {s: chooser.predict(8, s) for s in allowed}
+        chooser._forget_predictions(8)
+        fresh = {s: chooser.predict(8, s) for s in allowed}
+        assert cached == fresh
+    assert all(fresh[s] == before[s] for s in allowed if not s.off)
+    assert fresh[OFF] != before[OFF]  # unfollowed plain decoding is what plain is judged by

@@ -87,7 +87,10 @@ class AdaptiveDriver:
         running request, plain decoding is the only choice."""
         if not self.on or not running:
             return None
-        choice = self.chooser.choose(running) if followed else self.chooser.step_aside(running)
+        if not followed:
+            choice = self.chooser.step_aside(running)
+            return ConfigChange(speculative=settings_for(choice, spec)) if spec.enabled else None
+        choice = self.chooser.choose(running)
         if choice == current_setting(spec):
             return None
         return ConfigChange(speculative=settings_for(choice, spec))

@@ -150,6 +150,8 @@ class SpecDecoder:
         go at once: the request admitted alone at the start of an 8-client burst was fed
         through its first 16 plain steps at batch 8 (~0.8 ms each on the demo pair)."""
         pending = self.drafter.pending
+        if not pending and not follow_new:
+            return None  # the draft follows nothing and takes nothing on
         drop = set(self._drops(live).tolist())
         rows, fresh, defer = [], [], []
         for b, (req, q) in enumerate(zip(reqs, q_lens, strict=True)):
