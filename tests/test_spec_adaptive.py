@@ -23,7 +23,14 @@ from tpserve.engine.sampling_params import SamplingParams
 from tpserve.layers import cpu_ops
 from tpserve.layers.attention import cpu_native
 from tpserve.offline import OfflineEngine
-from tpserve.spec.adaptive import OFF, AdaptiveChooser, Setting, bucket_of, candidates
+from tpserve.spec.adaptive import (
+    OFF,
+    AdaptiveChooser,
+    AdaptiveConfig,
+    Setting,
+    bucket_of,
+    candidates,
+)
 from tpserve.spec.verify import Accepted
 
 TREE = Setting(4, 2, 8)
@@ -780,3 +787,33 @@ def test_predictions_kept_across_unfollowed_steps_match_a_fresh_fit() -> None:
         assert cached == fresh
     assert all(fresh[s] == before[s] for s in allowed if not s.off)
     assert fresh[OFF] != before[OFF]  # unfollowed plain decoding is what plain is judged by
+
+
+def test_re_measuring_a_losing_bucket_waits_longer_each_time() -> None:
+    """At batch 16 speculation loses on the fake machine. Requests there are followed again
+    only to re-measure it: ``refollow_every`` steps after any speculative step ran there (not
+    once per measured setting, each on its own clock), and twice as long after each
+    re-measurement that plain decoding still won, up to ``refollow_doublings`` times."""
+    allowed = candidates(TREE, 8, shapes_fixed=False)
+    cfg = AdaptiveConfig(refollow_every=2048, refollow_doublings=2)
+    chooser = AdaptiveChooser(TREE, allowed, cfg)
+    rng = random.Random(4)
+    plain = true_step_ms(OFF, 16)
+    starts, followed = [], True
+    for step in range(40_000):
+        if step % 64 == 0:  # the batch turns over: are the new requests followed?
+            was, followed = followed, chooser.worth_following(16)
+            if followed and not was:
+                starts.append(chooser.steps)
+        if not followed:
+            chooser.step_aside(16)
+            chooser.observe(OFF, 16, 0.8 * plain, 0.8 * plain, 0.0, 16, fed=False)
+        else:
+            drive(chooser, 16, 1, rng)
+    gaps = [b - a for a, b in zip(starts, starts[1:])]
+    assert len(starts) >= 4, (starts, chooser.snapshot())
+    waits = [2048 * 2 ** min(i + 1, 2) for i in range(len(gaps))]
+    # Each gap is the wait plus the few steps the re-measurement itself ran, and a burst's
+    # turnover (64 steps) of slack.
+    assert all(w < g <= w + 400 for g, w in zip(gaps, waits)), (gaps, waits)
+    assert chooser.current.off
