@@ -817,3 +817,44 @@ def test_re_measuring_a_losing_bucket_waits_longer_each_time() -> None:
     # turnover (64 steps) of slack.
     assert all(w < g <= w + 400 for g, w in zip(gaps, waits)), (gaps, waits)
     assert chooser.current.off
+
+
+def test_a_setting_chosen_in_a_slow_start_does_not_keep_requests_fed() -> None:
+    """A fresh server's plain steps are slow while it warms up, so a speculative setting can
+    be chosen (it "led") at a batch where speculation loses. Its re-measurements, needed
+    when a setting that led is far below, count from the last speculative step at the
+    batch and keep doubling: in the steady state after, few steps feed the draft and
+    almost none speculate (each setting on its own clock, capped at ``refollow_every``,
+    fed 3-6% of all steps on this fake machine)."""
+    chooser = AdaptiveChooser(TREE, candidates(TREE, 8, shapes_fixed=False))
+    rng = random.Random(1)
+    plain = true_step_ms(OFF, 16)
+    followed, fed, spec, total = True, 0, 0, 30_000
+    for step in range(total):
+        if step % 128 == 0:  # the batch turns over: are the new requests followed?
+            followed = chooser.worth_following(16)
+        late = step > 5_000
+        if not followed:
+            chooser.step_aside(16)
+            ms = 0.8 * plain * (1 + rng.uniform(-0.03, 0.03))
+            chooser.observe(OFF, 16, ms, ms, 0.0, 16, fed=False)
+        elif (s := chooser.choose(16)).off:
+            fed += late
+            ms = plain * (2.5 if step < 300 else 1.0) * (1 + rng.uniform(-0.03, 0.03))
+            chooser.observe(s, 16, ms, ms, 0.0, 16)
+        else:
+            spec += late
+            drive_one(chooser, s, 16, rng)
+    assert any(c.led for s, c in chooser.costs[16].items() if not s.off)  # the premise
+    assert fed <= 0.015 * total and spec <= 12, (fed, spec, chooser.snapshot())
+    assert chooser.current.off
+
+
+def drive_one(chooser: AdaptiveChooser, s: Setting, batch: int, rng: random.Random) -> None:
+    """One speculative step of ``s`` on the fake machine."""
+    accs = accepted(s, batch, rng)
+    ms = true_step_ms(s, batch) * (1 + rng.uniform(-0.03, 0.03))
+    draft = s.steps * (1.5 + 0.6 * batch * s.topk)
+    chooser.observe(s, batch, ms, ms - draft, draft,
+                    batch + sum(len(a.nodes) - 1 for a in accs))
+    chooser.observe_accepts(s, accs)

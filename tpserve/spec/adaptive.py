@@ -597,13 +597,21 @@ class AdaptiveChooser:
         when a setting near the best is due (every ``refresh_every`` steps): following new
         requests of the demo pair's 8-client bursts for that, where 4/1/5 is predicted ~8%
         over plain but short of the 20% it needs, fed a whole burst each time (0.89x of a
-        plain server in a 10-round run, 0.92-0.95x without)."""
-        waited = self.steps - cost.last_step
+        plain server in a 10-round run, 0.92-0.95x without).
+
+        The wait counts from the last speculative step at the bucket (whichever setting ran)
+        and keeps doubling past ``refollow_every`` up to the bucket's longest wait: a setting
+        chosen once in a fresh server's first steps (plain decoding timed slow while it
+        warmed up) otherwise had new requests followed every 4096 steps of a steady 8-client
+        load for good, each setting on its own clock (the fake machine: 4-7% of all steps
+        fed, ~1% speculative at a batch where speculation loses)."""
+        waited = self.steps - self._spec_last.get(bucket, cost.last_step)
         if not cost.led or waited <= self.cfg.refresh_every:
             return False
-        best = self._best(bucket)
-        return (self._far(bucket, setting, best)
-                and waited > self._refresh_interval(bucket, setting, best))
+        if not self._far(bucket, setting, self._best(bucket)):
+            return False
+        longest = self.cfg.refollow_every << self.cfg.refollow_doublings
+        return waited > min(longest, self.cfg.refresh_every << min(cost.backoff, 16))
 
     def _best(self, bucket: int) -> float | None:
         """The best prediction among the settings measured at ``bucket``."""
