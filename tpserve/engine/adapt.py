@@ -40,8 +40,10 @@ def make_driver(args: ServerArgs, spec: SpecDecoder | None, lookahead: int,
 
 
 def current_setting(spec: SpecDecoder) -> Setting:
-    s = spec.settings()
-    return Setting(s.num_steps, s.topk, s.num_draft_tokens) if s.enabled else OFF
+    if not spec.enabled:
+        return OFF  # asked every plain step at 8 clients: no settings object built for it
+    cfg = spec.cfg
+    return Setting(cfg.num_steps, cfg.topk, cfg.num_draft_tokens)
 
 
 def settings_for(choice: Setting, spec: SpecDecoder) -> SpecSettings:
@@ -87,10 +89,7 @@ class AdaptiveDriver:
         running request, plain decoding is the only choice."""
         if not self.on or not running:
             return None
-        if not followed:
-            choice = self.chooser.step_aside(running)
-            return ConfigChange(speculative=settings_for(choice, spec)) if spec.enabled else None
-        choice = self.chooser.choose(running)
+        choice = self.chooser.choose(running) if followed else self.chooser.step_aside(running)
         if choice == current_setting(spec):
             return None
         return ConfigChange(speculative=settings_for(choice, spec))
