@@ -565,7 +565,12 @@ class AdaptiveChooser:
         if not self._far(bucket, setting, best):
             cost.backoff = 0
             return self.cfg.refresh_every
-        return min(self.cfg.refollow_every, self.cfg.refresh_every << min(cost.backoff, 16))
+        return self._backed_off(cost, self.cfg.refollow_every)
+
+    def _backed_off(self, cost: Costs, longest: int) -> int:
+        """``refresh_every`` doubled per re-measurement in a row that found the setting far
+        below the best (``Costs.backoff``), up to ``longest`` steps."""
+        return min(longest, self.cfg.refresh_every << min(cost.backoff, 16))
 
     def _far(self, bucket: int, setting: Setting, best: float | None) -> bool:
         """Whether ``setting`` is predicted more than ``refresh_within`` below ``best``."""
@@ -592,8 +597,8 @@ class AdaptiveChooser:
 
     def _due(self, bucket: int, setting: Setting, cost: Costs) -> bool:
         """Whether speculative ``setting`` needs new requests followed at ``bucket`` to be
-        re-measured before ``_refollow_due``: where it once led and fell far below
-        (``_refresh_interval``), as soon as its re-measurement is due. Not
+        re-measured before ``_refollow_due``: where it once led and fell far below, as soon
+        as its backed-off re-measurement is due (``_backed_off``). Not
         when a setting near the best is due (every ``refresh_every`` steps): following new
         requests of the demo pair's 8-client bursts for that, where 4/1/5 is predicted ~8%
         over plain but short of the 20% it needs, fed a whole burst each time (0.89x of a
@@ -610,8 +615,8 @@ class AdaptiveChooser:
             return False
         if not self._far(bucket, setting, self._best(bucket)):
             return False
-        longest = self.cfg.refollow_every << self.cfg.refollow_doublings
-        return waited > min(longest, self.cfg.refresh_every << min(cost.backoff, 16))
+        return waited > self._backed_off(cost, self.cfg.refollow_every
+                                         << self.cfg.refollow_doublings)
 
     def _best(self, bucket: int) -> float | None:
         """The best prediction among the settings measured at ``bucket``."""
