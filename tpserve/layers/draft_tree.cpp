@@ -20,10 +20,7 @@
 // hidden_norm, qkv, qkv bias, o, o bias, post_attention_layernorm, gate_up, gate_up bias,
 // down, down bias, final norm, lm_head, d2t.
 
-#include <ATen/ops/cat.h>
-#include <ATen/ops/embedding.h>
 #include <ATen/ops/empty_like.h>
-#include <ATen/ops/from_blob.h>
 #include <ATen/ops/log_softmax.h>
 #include <ATen/ops/zeros.h>
 
@@ -81,14 +78,52 @@ DepthLayout depth_layout(const at::Tensor &pages, const at::Tensor &committed, i
     return {indptr, kv, slots};
 }
 
+// One row normed into `out` (rms_norm on a single row: the norm is per row, so these are
+// the bits a batched rms_norm gives that row).
+void norm_row(const void *x, const at::Tensor &weight, void *out, int64_t cols, double eps,
+              int dtype) {
+    if (fused_rms_norm(x, cols, nullptr, 0, weight.const_data_ptr(), nullptr, out, 1, cols,
+                       static_cast<float>(eps), dtype) != 0)
+        throw std::bad_alloc();
+}
+
+// The midlayer's attention input, cat([rms_norm(embedding(ids)), rms_norm(h_in)], -1), written
+// row by row into one [n, 2H] tensor: the same bits without the embedding gather, the two
+// norm outputs and the concatenation (five allocations and two copies a depth).
+at::Tensor normed_inputs(const DraftWeights &d, const at::Tensor &embed_w, const int64_t *ids,
+                         const at::Tensor &h_in, double eps) {
+    const at::Tensor h = h_in.contiguous(), e_norm = d.at(0), h_norm = d.at(1);
+    const int64_t n = h.size(0), cols = h.size(1), vocab = embed_w.size(0);
+    TORCH_CHECK(h.dim() == 2 && embed_w.dim() == 2 && embed_w.is_contiguous() &&
+                    embed_w.size(1) == cols && embed_w.scalar_type() == h.scalar_type() &&
+                    e_norm.is_contiguous() && h_norm.is_contiguous() &&
+                    e_norm.numel() == cols && h_norm.numel() == cols &&
+                    e_norm.scalar_type() == h.scalar_type() &&
+                    h_norm.scalar_type() == h.scalar_type(),
+                "tpserve::draft_tree: embedding [V, H], hidden rows [n, H] and both norm weights "
+                "[H] of one dtype");
+    const int dtype = fused_dtype(h);
+    const int64_t bytes = cols * static_cast<int64_t>(h.element_size());
+    at::Tensor x = at::empty({n, 2 * cols}, h.options());
+    const char *table = static_cast<const char *>(embed_w.const_data_ptr());
+    const char *hidden = static_cast<const char *>(h.const_data_ptr());
+    char *to = static_cast<char *>(x.mutable_data_ptr());
+    for (int64_t r = 0; r < n; r++) {
+        TORCH_CHECK(ids[r] >= 0 && ids[r] < vocab, "tpserve::draft_tree: token id ", ids[r],
+                    " outside the embedding's ", vocab, " rows");
+        norm_row(table + ids[r] * bytes, e_norm, to + 2 * r * bytes, cols, eps, dtype);
+        norm_row(hidden + r * bytes, h_norm, to + (2 * r + 1) * bytes, cols, eps, dtype);
+    }
+    return x;
+}
+
 // eagle3.py's forward through DraftBlocks: attention over the normed [embed, hidden]
-// concatenation, then the MLP with the hidden state as the residual.
-at::Tensor midlayer(const DraftWeights &d, const at::Tensor &embed_w, const at::Tensor &ids,
+// concatenation, then the MLP with the hidden state as the residual. `ids`: h_in.size(0)
+// token ids.
+at::Tensor midlayer(const DraftWeights &d, const at::Tensor &embed_w, const int64_t *ids,
                     const at::Tensor &h_in, at::Tensor &k_cache, at::Tensor &v_cache,
                     const StepAttention &s, double eps) {
-    at::Tensor x = at::cat({rms_norm(at::embedding(embed_w, ids), d.at(0), eps),
-                            rms_norm(h_in, d.at(1), eps)},
-                           -1);
+    at::Tensor x = normed_inputs(d, embed_w, ids, h_in, eps);
     auto [_, o] = attn_block(x, std::nullopt, std::nullopt, d.at(2), d.maybe(3), d.at(4),
                              d.maybe(5), k_cache, v_cache, s, eps);
     auto [h, m] = mlp_block(h_in, o, d.at(6), d.at(7), d.maybe(8), d.at(9), d.maybe(10), eps);
@@ -137,7 +172,11 @@ at::Tensor draft_extend(const DraftWeights &d, const at::Tensor &embed_w, const 
     const std::optional<at::Tensor> none;
     const StepAttention s{cos,  sin,  page_table, indptr,  kv,       slots,    none,  none,
                           page_size, window, scale, q_heads, kv_heads, head_dim, narrow};
-    return midlayer(d, embed_w, tokens, feats, k_cache, v_cache, s, eps).index_select(0, last);
+    TORCH_CHECK(tokens.scalar_type() == at::kLong && tokens.is_contiguous(),
+                "tpserve::draft_tree: extend tokens must be contiguous int64");
+    return midlayer(d, embed_w, tokens.const_data_ptr<int64_t>(), feats, k_cache, v_cache, s,
+                    eps)
+        .index_select(0, last);
 }
 
 // The proposals of every depth, in proposal order: scores (cumulative log-probabilities),
@@ -232,8 +271,8 @@ Candidates draft_candidates(
         const StepAttention s{cos,       sin,  page_table, layout.q_indptr, layout.kv_lens,
                               layout.write_slots, mask_start, own, page_size, window,
                               scale,     q_heads, kv_heads, head_dim,    narrow};
-        at::Tensor ids = at::from_blob(beam_tokens.data(), {batch * k}, i64);
-        at::Tensor out = midlayer(d, embed_w, ids, beam_hidden, k_cache, v_cache, s, eps);
+        at::Tensor out =
+            midlayer(d, embed_w, beam_tokens.data(), beam_hidden, k_cache, v_cache, s, eps);
         auto [top_score_t, top_ids_t] =
             at::log_softmax(draft_logits(out, d, eps, vocab), -1).topk(k, -1);
         const at::Tensor top_score = top_score_t.contiguous(), top_ids = top_ids_t.contiguous();
