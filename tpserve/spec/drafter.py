@@ -156,6 +156,7 @@ class Drafter:
         self.aux_sorted = tuple(sorted(aux_layers))
         self.aux_order = [self.aux_sorted.index(i) for i in aux_layers]
         self.pending: dict[int, torch.Tensor] = {}
+        self._indices: dict[tuple[int, ...], torch.Tensor] = {}  # see _node_index
         # Seconds the last plain step spent feeding the draft after the target forward (the
         # followed requests' projections, deferred rows, extend): what following cost it.
         self.feed_seconds = 0.0
@@ -493,15 +494,31 @@ class Drafter:
     @torch.inference_mode()
     def keep(self, keys: np.ndarray, verified: Verified, paths: list[list[int]]) -> None:
         """The accepted paths' features become the requests' pending rows (what the next
-        plan counts). Host-built indices travel with non-blocking copies: nothing here waits
-        for the device."""
-        device, n = self.runner.device, verified.features.shape[1]
-        flat = [b * n + node for b, path in enumerate(paths) for node in path]
-        index = torch.tensor(flat, dtype=torch.long)
+        plan counts). The row index comes from a cache on the device (``_node_index``):
+        nothing here waits for the device."""
+        n = verified.features.shape[1]
         kept = verified.features.reshape(-1, verified.features.shape[2]).index_select(
-            0, index if device.type == "cpu" else index.to(device, non_blocking=True))
+            0, self._node_index(tuple(b * n + node for b, path in enumerate(paths)
+                                      for node in path)))
+        if len(paths) == 1:  # batch 1: the whole selection is the one request's
+            self.pending[int(keys[0])] = kept
+            return
         for key, feats in zip(keys.tolist(), kept.split([len(p) for p in paths]), strict=True):
             self.pending[key] = feats
+
+    def _node_index(self, flat: tuple[int, ...]) -> torch.Tensor:
+        """The accepted nodes' rows as an index tensor on the device, cached: a batch meets
+        few distinct paths (a tree of N nodes has at most N per request), and building the
+        tensor took longer than the selection itself."""
+        index = self._indices.get(flat)
+        if index is None:
+            if len(self._indices) >= 4096:
+                self._indices.clear()
+            index = torch.tensor(flat, dtype=torch.long)
+            if self.runner.device.type != "cpu":
+                index = index.to(self.runner.device)
+            self._indices[flat] = index
+        return index
 
     @torch.inference_mode()
     def compact(self, verified: Verified, paths: list[list[int]]) -> None:
