@@ -95,13 +95,10 @@ at::Tensor normed_inputs(const DraftWeights &d, const at::Tensor &embed_w, const
     const at::Tensor h = h_in.contiguous(), e_norm = d.at(0), h_norm = d.at(1);
     const int64_t n = h.size(0), cols = h.size(1), vocab = embed_w.size(0);
     TORCH_CHECK(h.dim() == 2 && embed_w.dim() == 2 && embed_w.is_contiguous() &&
-                    embed_w.size(1) == cols && embed_w.scalar_type() == h.scalar_type() &&
-                    e_norm.is_contiguous() && h_norm.is_contiguous() &&
-                    e_norm.numel() == cols && h_norm.numel() == cols &&
-                    e_norm.scalar_type() == h.scalar_type() &&
-                    h_norm.scalar_type() == h.scalar_type(),
-                "tpserve::draft_tree: embedding [V, H], hidden rows [n, H] and both norm weights "
-                "[H] of one dtype");
+                    embed_w.size(1) == cols && embed_w.scalar_type() == h.scalar_type(),
+                "tpserve::draft_tree: embedding [V, H] and hidden rows [n, H] of one dtype");
+    check_norm(h, e_norm);
+    check_norm(h, h_norm);
     const int dtype = fused_dtype(h);
     const int64_t bytes = cols * static_cast<int64_t>(h.element_size());
     at::Tensor x = at::empty({n, 2 * cols}, h.options());
