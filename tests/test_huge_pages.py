@@ -77,5 +77,5 @@ def test_cpu_kv_cache_is_zeroed_and_advised() -> None:
         assert "hg" in _vm_flags(pool.data_ptr())
     # Slot moves work on the views as on any tensor.
     cache.pools[0][:, 5] = 1.0
-    cache.move_slots(torch.tensor([5]), torch.tensor([9]))
+    cache.move_slots([5], [9])
     assert cache.pools[0][:, 9].eq(1.0).all() and cache.layers[2][0][9].eq(1.0).all()

@@ -17,6 +17,7 @@ from tpserve.engine.kv_cache import KVCache, KVCacheConfig
 from tpserve.engine.plan import Layout, build_forward_batch
 from tpserve.engine.sampler import target_probs
 from tpserve.engine.sampling_params import SamplingParams
+from tpserve.layers.fused import move_slots_reference
 from tpserve.layers.tp import TPContext
 from tpserve.models.eagle3 import build_eagle3, load_eagle3_config
 from tpserve.spec.config import SpecConfig
@@ -141,16 +142,23 @@ def test_draft_tree_matches_host_version(tmp_path: Path, k: int, steps: int,
         assert torch.equal(a, b)
 
 
-def test_move_slots_matches_per_layer_copies() -> None:
-    kv = KVCache(KVCacheConfig.gqa(4, 4, 3, 2, 8, torch.float32), torch.device("cpu"))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("native", [True, False])
+def test_move_slots_matches_per_layer_copies(native: bool, dtype: torch.dtype) -> None:
+    """The C++ op (``KVCache.move_slots`` on CPU) and its ATen reference both equal copying
+    each layer's rows with every source read first."""
+    kv = KVCache(KVCacheConfig.gqa(4, 4, 3, 2, 8, dtype), torch.device("cpu"))
     for pool in kv.pools:
         pool.normal_()
     expected = [tuple(t.clone() for t in entries) for entries in kv.layers]
-    src, dst = torch.tensor([6, 8, 13]), torch.tensor([5, 6, 12])  # overlapping: 6 -> 5, 8 -> 6
+    src, dst = [6, 8, 13], [5, 6, 12]  # overlapping: 6 -> 5, 8 -> 6
     for entries in expected:
         for t in entries:
             t[dst] = t[src]
-    kv.move_slots(src, dst)
+    if native:
+        kv.move_slots(src, dst)
+    else:
+        move_slots_reference(list(kv.pools), src, dst)
     for got, want in zip(kv.layers, expected, strict=True):
         for a, b in zip(got, want, strict=True):
             assert torch.equal(a, b)

@@ -11,6 +11,8 @@ from dataclasses import dataclass
 
 import torch
 
+from tpserve.layers import cpu_ops
+from tpserve.layers.fused import move_slots_reference
 from tpserve.layers.huge_pages import huge_zeros
 
 
@@ -75,17 +77,23 @@ class KVCache:
             if device.type == "cpu" else
             torch.zeros((cfg.layout.num_layers, slots, h, d), dtype=cfg.dtype, device=device)
             for h, d in cfg.layout.entries)
+        if device.type == "cpu":
+            cpu_ops.load()  # move_slots' op
         self.layers: list[tuple[torch.Tensor, ...]] = [
             tuple(pool[i] for pool in self.pools) for i in range(cfg.layout.num_layers)]
 
-    def move_slots(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+    def move_slots(self, src: list[int], dst: list[int]) -> None:
         """Copy KV entries slot-wise in every layer (compacts accepted speculative tokens).
 
         Every source is read before any destination is written, so ``src`` and ``dst`` may
-        overlap (a compacted path shifts its nodes down onto each other's slots).
+        overlap (a compacted path shifts its nodes down onto each other's slots). On CPU one
+        ``tpserve::move_slots`` call (C++, or its ATen fallback); elsewhere the same gather
+        and scatter per pool.
         """
-        for pool in self.pools:
-            pool.index_copy_(1, dst, pool.index_select(1, src))
+        if self.pools[0].is_cpu:
+            torch.ops.tpserve.move_slots(list(self.pools), src, dst)
+        else:
+            move_slots_reference(list(self.pools), src, dst)
 
 
 class PageAllocator:

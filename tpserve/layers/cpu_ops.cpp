@@ -39,6 +39,7 @@
 #include <limits>
 #include <stdexcept>
 #include <tuple>
+#include <vector>
 
 extern "C" {
 #include "gemm.c"
@@ -298,6 +299,39 @@ std::tuple<at::Tensor, at::Tensor> greedy_logprob(const at::Tensor &logits) {
     return {tokens, logprobs};
 }
 
+// Copy KV entries slot-wise in every layer of each pool [layers, slots, ...] (the accepted
+// speculative nodes compacted onto consecutive slots). Every source of a layer is read before
+// any destination is written: a compacted path shifts its nodes down onto each other's
+// slots. One call instead of two index tensors and a gather + scatter per pool (~50 us of
+// dispatch and allocation a speculative step on the critical path of the drafting rank).
+void move_slots(at::TensorList pools, at::IntArrayRef src, at::IntArrayRef dst) {
+    TORCH_CHECK(src.size() == dst.size(), "move_slots: ", src.size(), " sources for ",
+                dst.size(), " destinations");
+    const int64_t n = static_cast<int64_t>(src.size());
+    if (n == 0) return;
+    std::vector<char> staged;
+    for (const at::Tensor &pool : pools) {
+        TORCH_CHECK(pool.device().is_cpu() && pool.is_contiguous() && pool.dim() >= 2,
+                    "move_slots: pools must be contiguous CPU tensors [layers, slots, ...]");
+        const int64_t slots = pool.size(1);
+        for (int64_t i = 0; i < n; i++)
+            TORCH_CHECK(src[i] >= 0 && src[i] < slots && dst[i] >= 0 && dst[i] < slots,
+                        "move_slots: slot out of range (", src[i], " -> ", dst[i], " of ",
+                        slots, ")");
+        const int64_t row = pool.stride(1) * pool.element_size();
+        const int64_t layer_bytes = pool.stride(0) * pool.element_size();
+        staged.resize(static_cast<size_t>(n * row));
+        char *base = static_cast<char *>(pool.data_ptr());
+        for (int64_t l = 0; l < pool.size(0); l++) {
+            char *layer = base + l * layer_bytes;
+            for (int64_t i = 0; i < n; i++)
+                std::memcpy(staged.data() + i * row, layer + src[i] * row, row);
+            for (int64_t i = 0; i < n; i++)
+                std::memcpy(layer + dst[i] * row, staged.data() + i * row, row);
+        }
+    }
+}
+
 int64_t gemm_vector_lanes() { return native_enabled() ? LANES : 0; }
 
 int64_t set_matmul_threads(int64_t threads) {
@@ -332,6 +366,7 @@ TORCH_LIBRARY(tpserve, m) {
     m.def("greedy_logprob(Tensor logits) -> (Tensor, Tensor)");
     m.def("logsumexp(Tensor logits) -> Tensor");
     m.def("softmax(Tensor logits) -> Tensor");
+    m.def("move_slots(Tensor(a!)[] pools, int[] src, int[] dst) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(tpserve, CompositeExplicitAutograd, m) {
@@ -349,6 +384,7 @@ TORCH_LIBRARY_IMPL(tpserve, CPU, m) {
     m.impl("greedy_logprob", &greedy_logprob);
     m.impl("logsumexp", &logsumexp_rows);
     m.impl("softmax", &softmax_rows);
+    m.impl("move_slots", &move_slots);
 }
 
 // The decoder layer as one op per half (after the ops it calls are defined and registered).

@@ -165,6 +165,17 @@ def softmax(logits: torch.Tensor) -> torch.Tensor:
     return softmax_reference(logits)
 
 
+def move_slots_reference(pools: list[torch.Tensor], src: list[int], dst: list[int]) -> None:
+    """KV entries copied slot-wise in every layer of each pool [layers, slots, ...], every
+    source read before any destination is written (``src`` and ``dst`` may overlap)."""
+    if not src:
+        return
+    device = pools[0].device
+    s, d = (torch.tensor(m, dtype=torch.long).to(device, non_blocking=True) for m in (src, dst))
+    for pool in pools:
+        pool.index_copy_(1, d, pool.index_select(1, s))
+
+
 def define_fallbacks(lib: torch.library.Library) -> None:
     """The same ops over ATen, for ``cpu_ops``' Python fallback (no C++ compiler)."""
     lib.define("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor")
@@ -177,11 +188,13 @@ def define_fallbacks(lib: torch.library.Library) -> None:
     lib.define("greedy_logprob(Tensor logits) -> (Tensor, Tensor)")
     lib.define("logsumexp(Tensor logits) -> Tensor")
     lib.define("softmax(Tensor logits) -> Tensor")
+    lib.define("move_slots(Tensor(a!)[] pools, int[] src, int[] dst) -> ()")
     for name, fn in (("rms_norm", rms_norm_reference), ("add_rms_norm", add_rms_norm_reference),
                      ("rotary_qk", rotary_qk_reference), ("silu_mul", silu_mul_reference),
                      ("rotary_rows", rotary_rows_reference),
                      ("greedy_logprob", greedy_logprob_reference),
-                     ("logsumexp", logsumexp_reference), ("softmax", softmax_reference)):
+                     ("logsumexp", logsumexp_reference), ("softmax", softmax_reference),
+                     ("move_slots", move_slots_reference)):
         lib.impl(name, fn, "CompositeExplicitAutograd")
 
 

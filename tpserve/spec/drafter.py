@@ -527,10 +527,7 @@ class Drafter:
         moves = moved_slots(verified.pages, verified.committed.tolist(), paths,
                             self.runner.page_size)
         if moves is not None:
-            device = self.runner.device
-            src, dst = (torch.tensor(m, dtype=torch.long).to(device, non_blocking=True)
-                        for m in moves)
-            self.runner.kv.move_slots(src, dst)
+            self.runner.kv.move_slots(*moves)
 
 
 def moved_slots(pages: np.ndarray, committed: list[int], paths: list[list[int]],
