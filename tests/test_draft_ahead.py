@@ -8,7 +8,7 @@ import numpy as np
 import torch
 
 from tpserve.engine.messages import SpecStep
-from tpserve.spec.drafter import Ahead, Guess, moved_slots, plan_fingerprint
+from tpserve.spec.drafter import Ahead, Guess, held_pages, moved_slots, plan_fingerprint
 from tpserve.spec.tree import DraftTree
 
 
@@ -19,12 +19,14 @@ def _step(tokens: list[int], lens: list[int], cached: list[int], pages: list[lis
                     np.array(keys, dtype=np.int64), np.zeros(0, dtype=np.int64), True)
 
 
-def _ahead() -> Ahead:
+def _ahead(layout: object = None) -> Ahead:
     guess = _step([5, 6, 7, 9], [3, 1], [40, 18], [[3, 4, 8], [1, 2, 0]], [11, 12])
     tree = DraftTree(*(torch.zeros(2, 4, dtype=torch.long) for _ in range(3)),
                      torch.zeros(2, 4, 4, dtype=torch.bool))
-    # Request 0's draft went into its first 3 pages, request 1's into its first 2.
-    return Ahead(guess, [[0, 1, 2], [0]], np.array([3, 2]), tree, None)  # type: ignore[arg-type]
+    # Request 0's draft went into its first 3 pages, request 1's into its first 2; the verify
+    # layout reads request 0's first 3 pages and request 1's first 1.
+    return Ahead(guess, [[0, 1, 2], [0]], np.array([3, 2]), tree,  # type: ignore[arg-type]
+                 layout, np.array([3, 1]))
 
 
 def _each_field_changed(g: SpecStep) -> tuple[SpecStep, ...]:
@@ -36,18 +38,35 @@ def _each_field_changed(g: SpecStep) -> tuple[SpecStep, ...]:
 
 
 def test_the_assumed_plan_fits() -> None:
-    ahead = _ahead()
-    assert ahead.fits(ahead.step) and ahead.same_pages(ahead.step)
+    ahead = _ahead(layout=object())
+    assert ahead.fits(ahead.step) and ahead.layout_fits(ahead.step)
+    assert not _ahead().layout_fits(ahead.step)  # no layout was built ahead
 
 
 def test_pages_beyond_the_drafts_reach_do_not_matter() -> None:
-    ahead = _ahead()
+    """Neither to the tree nor to the verify layout: a page the scheduler added for later
+    steps is read by neither."""
+    ahead = _ahead(layout=object())
     wider = dataclasses.replace(ahead.step, page_table=np.array([[3, 4, 8, 9], [1, 2, 5, 0]],
                                                                 dtype=np.int32))
-    assert ahead.fits(wider) and not ahead.same_pages(wider)
+    assert ahead.fits(wider) and ahead.layout_fits(wider)
     pad = dataclasses.replace(ahead.step, page_table=np.array([[3, 4, 8], [1, 2, 7]],
                                                               dtype=np.int32))
-    assert ahead.fits(pad)  # request 1's third entry: beyond where its draft went
+    assert ahead.fits(pad) and ahead.layout_fits(pad)  # request 1's third entry
+    # Request 1's second page: where its draft went, not where its verify goes.
+    other = dataclasses.replace(ahead.step, page_table=np.array([[3, 4, 8], [1, 6, 0]],
+                                                                dtype=np.int32))
+    assert not ahead.fits(other)
+    ahead_only_layout = dataclasses.replace(ahead, pages=np.array([3, 1]))
+    assert ahead_only_layout.fits(other) and ahead_only_layout.layout_fits(other)
+    moved = dataclasses.replace(ahead.step, page_table=np.array([[3, 5, 8], [1, 2, 0]],
+                                                                dtype=np.int32))
+    assert not ahead.layout_fits(moved)
+
+
+def test_held_pages_count_each_rows_own_entries() -> None:
+    """Rows of a batch's page table are padded with the dummy page 0."""
+    assert held_pages(np.array([[3, 4, 8], [1, 2, 0], [7, 0, 0]], dtype=np.int32)) == [3, 2, 1]
 
 
 def test_any_difference_the_draft_saw_voids_it() -> None:

@@ -284,10 +284,10 @@ def test_deferred_draft_rows_catch_up(demo_ref: tuple[list, list]) -> None:
     trees = stats["draft_trees"]
     if cpu_ops.load().impl == "c++" and not cpu_native.load().reason:
         assert trees == {"native": stats["steps"], "loop": 0, "ahead": 0, "ahead_wasted": 0,
-                         "guessed": 0}, stats
+                         "guessed": 0, "ahead_layout": 0}, stats
     else:
         assert trees == {"native": 0, "loop": stats["steps"], "ahead": 0, "ahead_wasted": 0,
-                         "guessed": 0}, stats
+                         "guessed": 0, "ahead_layout": 0}, stats
 
 
 def test_a_long_stretch_aside_lets_requests_go(demo_ref: tuple[list, list]) -> None:

@@ -7,10 +7,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from tokenizers import Tokenizer
 
 from tests.checkpoints import make_checkpoint
 from tests.eagle_checkpoints import make_draft
 from tests.spec_helpers import args_for, run_tp
+from tpserve.demo import demo_draft, demo_target
 from tpserve.engine.sampling_params import SamplingParams
 from tpserve.offline import OfflineEngine
 
@@ -162,3 +164,44 @@ def test_logprobs_match_plain_decoding(ckpts: tuple[Path, Path, Path], top: int)
                     assert [t for t, _ in alts] == [t for t, _ in ref_alts]
                     assert [v for _, v in alts] == pytest.approx([v for _, v in ref_alts],
                                                                  abs=1e-5)
+
+
+
+def generate_long(arg: tuple) -> dict:
+    """The demo pair (a trained draft, accepted several tokens a step): one greedy request
+    of ``new`` tokens on pages of ``page_size``, plain decoding when ``setting`` is None;
+    speculating at TP = 2, one rank drafts and its drafter counts go to ``side``."""
+    setting, new, page_size, side = arg
+    spec = () if setting is None else (demo_draft(), *setting)
+    engine = OfflineEngine(args_for(demo_target(), *spec, page_size=page_size))
+    if engine.built.info.rank != 0:
+        engine.follow()
+        (side / "trees.json").write_text(json.dumps(engine.spec.drafter.trees))
+        return {}
+    prompt = Tokenizer.from_file(str(demo_target() / "tokenizer.json")).encode(
+        "def fibonacci(n):").ids
+    out = engine.generate([prompt], [SamplingParams(max_new_tokens=new, temperature=0.0,
+                                                    ignore_eos=True)])[0]
+    steps = engine.spec.snapshot()["steps"] if engine.spec is not None else 0
+    engine.close()
+    return {"ids": out.output_ids, "steps": steps}
+
+
+def test_tp2_drafting_rank_runs_ahead_across_pages(tmp_path: Path) -> None:
+    """The scheduler keeps the next step's slots ahead of each request
+    (``SpecConfig.reserve``), so the drafting rank grows every tree but the first before
+    rank 0's plan arrives, and builds every verify layout but the first ahead too, even
+    where a step crosses into a new page (2-token pages: every step does). With only the
+    step's own lookahead reserved, a step whose next tree reached an unallocated page had
+    that tree grown after the plan instead, and a newly added page voided the layout built
+    ahead. Greedy output stays plain decoding's."""
+    ref = generate_long((None, 48, 2, tmp_path))
+    got = run_tp(2, generate_long, ((4, 2, 8), 48, 2, tmp_path))
+    trees = json.loads((tmp_path / "trees.json").read_text())
+    assert got["ids"] == ref["ids"] and len(ref["ids"]) == 48
+    steps = got["steps"]
+    assert steps < 24, steps  # the draft is accepted: the tree reaches past the verify's pages
+    assert trees["ahead"] == trees["ahead_layout"] == trees["guessed"] == steps - 1, trees
+    # At most one tree wasted: the one grown after the last step, for a step that never came.
+    assert trees["ahead_wasted"] <= 1, trees
+    assert trees["native"] + trees["loop"] == steps + trees["ahead_wasted"], trees

@@ -180,7 +180,7 @@ def _load_config(model_dir: Path) -> ModelConfig:
 def _scheduler(args: ServerArgs, kv: KVCache, context_length: int,
                spec_cfg: SpecConfig | None, device: torch.device) -> Scheduler:
     cfg = SchedulerConfig(args.page_size, args.max_running_requests, args.chunked_prefill_size,
-                          context_length, spec_cfg.lookahead if spec_cfg else 0,
+                          context_length, spec_cfg.reserve if spec_cfg else 0,
                           prefix_cache=not args.disable_radix_cache,
                           mixed_chunk_size=mixed_chunk_size(args, device))
     return Scheduler(cfg, PageAllocator(kv.cfg.num_pages))

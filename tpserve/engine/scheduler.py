@@ -38,7 +38,8 @@ class SchedulerConfig:
     max_running_requests: int
     chunked_prefill_size: int
     context_length: int
-    decode_lookahead: int = 0  # extra KV slots a decode step writes (speculative tree nodes)
+    # KV slots kept ahead of a decoding request's sequence (``SpecConfig.reserve``)
+    decode_lookahead: int = 0
     prefix_cache: bool = True
     # Prompt tokens a step may carry beside decode tokens: a stream waits for the whole step,
     # so this bounds its stall while a long prompt is admitted (None: chunked_prefill_size).

@@ -26,6 +26,17 @@ class SpecConfig:
         """KV slots past the root a step writes (verify nodes or temporary draft nodes)."""
         return max(self.num_draft_tokens, (self.num_steps - 1) * self.topk)
 
+    @property
+    def reserve(self) -> int:
+        """KV slots past the root the scheduler keeps each decoding request ahead of its
+        sequence: this step's lookahead plus the most it can accept (``num_steps``), so the
+        next step's tree and verify fall in pages the request already holds. The drafting
+        follower grows the next tree before rank 0's plan says which page a request gets
+        next (``Drafter.run_ahead``); with only this step's lookahead reserved, ~9% of the
+        demo pair's batch-1 steps crossed into a page not yet allocated and drafted after
+        the plan instead, and ~28% rebuilt the verify layout for a newly added page."""
+        return self.lookahead + self.num_steps
+
 
 def spec_config_from_args(args: ServerArgs) -> SpecConfig | None:
     algo = args.speculative_algorithm

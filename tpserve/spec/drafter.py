@@ -65,25 +65,22 @@ class Ahead:
     pages: np.ndarray  # [B] leading page-table entries of each request its draft read or wrote
     tree: DraftTree
     verify_meta: AttentionMetadata | None  # the assumed plan's verify layout (if it has one)
-
-    def same_pages(self, step: SpecStep) -> bool:
-        """The verify layout applies too: the real plan has exactly the assumed page table."""
-        return same_array(step.page_table, self.step.page_table)
+    verify_pages: np.ndarray  # [B] leading page-table entries that layout reads or writes
 
     def fits(self, step: SpecStep) -> bool:
         """Whether ``step`` is the assumed plan, as far as the draft is concerned: the same
         requests, pending tokens and lengths, and the same pages wherever the draft went
         (a page the real plan added beyond them does not matter; dropped keys neither)."""
-        guess = self.step
-        if not same_requests(step, guess):
-            return False
-        if self.same_pages(step):
-            return True
-        width = int(self.pages.max())
-        if step.page_table.shape[1] < width:
-            return False
-        used = np.arange(width)[None, :] < self.pages[:, None]
-        return bool(np.all((step.page_table[:, :width] == guess.page_table[:, :width]) | ~used))
+        return (same_requests(step, self.step)
+                and same_leading_pages(step.page_table, self.step.page_table, self.pages))
+
+    def layout_fits(self, step: SpecStep) -> bool:
+        """Whether the verify layout applies to ``step`` (which ``fits``): the same pages
+        wherever the verify goes. A page the real plan added beyond them (the scheduler
+        keeps the next steps' slots ahead) is never read by this verify."""
+        return (self.verify_meta is not None
+                and same_leading_pages(step.page_table, self.step.page_table,
+                                       self.verify_pages))
 
 
 @dataclass(frozen=True)
@@ -108,6 +105,23 @@ class Guess:
 
     def same_pages(self, step: SpecStep) -> bool:
         return same_array(step.page_table, self.step.page_table)
+
+
+def held_pages(page_table: np.ndarray) -> list[int]:
+    """[B] pages each request holds: its row's leading nonzero entries (page 0 is the dummy
+    page that pads shorter rows)."""
+    return np.count_nonzero(page_table, axis=1).tolist()
+
+
+def same_leading_pages(real: np.ndarray, guess: np.ndarray, counts: np.ndarray) -> bool:
+    """Each row of ``real`` has ``guess``'s first ``counts[b]`` page ids."""
+    if same_array(real, guess):
+        return True
+    width = int(counts.max())
+    if real.shape[1] < width or guess.shape[1] < width:
+        return False
+    used = np.arange(width)[None, :] < counts[:, None]
+    return bool(np.all((real[:, :width] == guess[:, :width]) | ~used))
 
 
 def plan_fingerprint(step: SpecStep) -> int:
@@ -163,7 +177,8 @@ class Drafter:
         # Trees grown by the one native call vs the per-depth loop (reported in the stats).
         # Trees grown ahead (``run_ahead``) that the next plan used, or that it did not.
         # Of the trees grown ahead, those whose plan rank 0 confirmed as guessed (``Guessed``).
-        self.trees = {"native": 0, "loop": 0, "ahead": 0, "ahead_wasted": 0, "guessed": 0}
+        self.trees = {"native": 0, "loop": 0, "ahead": 0, "ahead_wasted": 0, "guessed": 0,
+                      "ahead_layout": 0}
         self.ahead: Ahead | None = None
         self.page_features = torch.zeros(draft_kv.cfg.num_pages, draft.cfg.base.hidden_size,
                                          dtype=draft.fc.weight.dtype, device=runner.device)
@@ -304,9 +319,11 @@ class Drafter:
             elif ahead is not None:
                 self.trees["ahead"] += 1
             # Host-side layout of the verify batch, built before drafting queues device work.
-            verify_meta = (ahead.verify_meta if ahead is not None and ahead.same_pages(step)
+            verify_meta = (ahead.verify_meta if ahead is not None and ahead.layout_fits(step)
                            else None)
-            if verify_meta is None:
+            if verify_meta is not None:
+                self.trees["ahead_layout"] += 1
+            else:
                 verify_meta = self._verify_meta(step)
             tree = ahead.tree if ahead is not None else None
             if tree is None and self.drafts:
@@ -350,11 +367,12 @@ class Drafter:
         # The verify layout too, where the assumed page table is wide enough for it (used only
         # if the real plan brings that very table).
         cfg, ps = self.cfg, self.draft_kv.cfg.page_size
-        room = step.page_table.shape[1] * ps
-        wide = all(n + cfg.num_draft_tokens <= room for n in guess.lens)
+        reads = [-(-(n + cfg.num_draft_tokens) // ps) for n in guess.lens]
+        wide = all(r <= held for r, held in zip(reads, held_pages(step.page_table), strict=True))
         self.ahead = Ahead(guess.step, guess.paths,
                            np.array([(n + self._temporary_nodes()) // ps + 1 for n in guess.lens]),
-                           tree, self._verify_meta(guess.step) if wide else None)
+                           tree, self._verify_meta(guess.step) if wide else None,
+                           np.array(reads))
 
     def _temporary_nodes(self) -> int:
         """How far past the next root the next tree's temporary draft nodes reach."""
@@ -363,14 +381,16 @@ class Drafter:
     def guess(self, step: SpecStep, accepted: Sequence[Accepted]) -> Guess | None:
         """The commit and next plan after greedy ``step`` whose argmax paths are ``accepted``,
         as the drafting follower assumes them (rank 0 checks its real ones against the same
-        guess), or None where the next tree would reach past the pages this step's verify
-        wrote (only those are surely the request's own)."""
+        guess), or None where the next tree would reach past the pages the request holds in
+        this step's plan (the scheduler keeps ``SpecConfig.reserve`` slots ahead, so it does
+        not at the launch setting). Those pages are surely its own until a later message:
+        a request that finishes or is preempted changes the plan, and the guess is void."""
         # Python ints: a handful of requests, where numpy's per-call cost dominates.
         roots = committed_lens(step).tolist()
         lens = [r + len(a.nodes) for r, a in zip(roots, accepted, strict=True)]
         ps, extra = self.draft_kv.cfg.page_size, self._temporary_nodes()
-        if any((n + extra) // ps > (r + self.cfg.num_draft_tokens - 1) // ps
-               for n, r in zip(lens, roots, strict=True)):
+        if any((n + extra) // ps >= held
+               for n, held in zip(lens, held_pages(step.page_table), strict=True)):
             return None
         plan = SpecStep(np.array([t for a in accepted for t in a.tokens], dtype=np.int64),
                         np.array([len(a.nodes) for a in accepted], dtype=np.int32),
