@@ -61,13 +61,14 @@ class CommStats:
     parts: dict[str, list[float]] = field(default_factory=dict)
     phase: str = "other"
 
-    def record(self, nbytes: int, seconds: float, waited: float = 0.0) -> None:
-        self.calls += 1
-        self.bytes += nbytes
+    def record(self, nbytes: int, seconds: float, waited: float = 0.0, calls: int = 1) -> None:
+        """``calls`` allreduces of ``nbytes`` each, ``seconds`` and ``waited`` in all."""
+        self.calls += calls
+        self.bytes += nbytes * calls
         self.seconds += seconds
         self.waited += waited
         entry = self.by_phase.setdefault(self.phase, [0.0, 0.0, 0.0])
-        entry[0] += 1
+        entry[0] += calls
         entry[1] += seconds
         entry[2] += waited
 

@@ -53,9 +53,10 @@ def _forwards(bias: bool) -> dict[str, Any]:
             with torch.no_grad():
                 for p in model.parameters():
                     p.mul_(1 + 0.25 * rank)
-            before = backend.stats.calls
-            out[label] = (_run(model, fb, kv, (1,), True), backend.stats.calls - before,
-                          comm.stacked)
+            before = (backend.stats.calls, backend.stats.bytes)
+            result = _run(model, fb, kv, (1,), True)
+            counted = (backend.stats.calls - before[0], backend.stats.bytes - before[1])
+            out[label] = (result, counted, comm.stacked)
         # One plain allreduce after the native calls: the sequence numbers still agree.
         out["after"] = backend.all_reduce(torch.full((4,), float(rank + 1))).tolist()
     finally:
@@ -74,7 +75,7 @@ def test_native_stack_reduces_like_the_per_layer_path(bias: bool) -> None:
     assert torch.equal(got["native_again"][0][0], hidden)
     # Layers 0 and 1..2 (the aux split): two reductions a layer, counted either way.
     assert stacked == 2 * LAYERS and stacked_pl == 0
-    assert calls == calls_pl
+    assert calls == calls_pl  # (calls, bytes): counted alike
     assert got["after"] == [3.0] * 4
 
 
