@@ -30,7 +30,10 @@ class RequestOutput:
     logprobs: list[tuple[int, float, list[tuple[int, float]] | None]] = field(default_factory=list)
 
 
-@dataclass
+# eq=False: a request is itself, not its field values. The scheduler's ``in`` / ``remove``
+# on its lists compared whole field tuples against every other running request (~52 dataclass
+# __eq__ calls a step at 8 clients, each building two tuples of every field).
+@dataclass(eq=False)
 class Request:
     rid: str
     prompt_ids: list[int]
