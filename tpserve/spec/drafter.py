@@ -364,8 +364,8 @@ class Drafter:
             return
         self.keep(step.keys, verified, guess.paths)
         tree = self._draft(guess.step)
-        # The verify layout too, where the assumed page table is wide enough for it (used only
-        # if the real plan brings that very table).
+        # The verify layout too, where the request holds every page it reads (used where the
+        # real plan keeps those pages: ``Ahead.layout_fits``).
         cfg, ps = self.cfg, self.draft_kv.cfg.page_size
         reads = [-(-(n + cfg.num_draft_tokens) // ps) for n in guess.lens]
         wide = all(r <= held for r, held in zip(reads, held_pages(step.page_table), strict=True))
