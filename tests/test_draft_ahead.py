@@ -116,7 +116,7 @@ def test_only_the_exact_plan_is_the_guess() -> None:
     """Rank 0 says "as guessed" only for a plan equal to the guess in every field but the
     page table (which then travels along, and the follower checks it as for any plan): a
     dropped key, say, makes it send the whole plan."""
-    guess = Guess(_ahead().step, [[0, 1, 2], [0]], [43, 19])
+    guess = Guess(_ahead().step, [[0, 1, 2], [0]], [43, 19], [3, 2], [3, 2])
     g = guess.step
     same = _step([5, 6, 7, 9], [3, 1], [40, 18], [[3, 4, 8], [1, 2, 0]], [11, 12])
     assert guess.is_plan(same) and guess.same_pages(same)

@@ -30,6 +30,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 import torch
 
+from tpserve.engine.buckets import round_up
 from tpserve.engine.forward_batch import ForwardBatch
 from tpserve.engine.kv_cache import KVCache
 from tpserve.engine.messages import DraftFeed, ForwardStep, SpecCommit, SpecStep
@@ -92,6 +93,8 @@ class Guess:
     step: SpecStep
     paths: list[list[int]]
     lens: list[int]  # each request's sequence length after the commit
+    held: list[int]  # pages each request holds in the plan (``held_pages``)
+    reach: list[int]  # leading pages of each request the next tree reads or writes
 
     def fingerprint(self) -> int:
         return plan_fingerprint(self.step)
@@ -367,12 +370,10 @@ class Drafter:
         # The verify layout too, where the request holds every page it reads (used where the
         # real plan keeps those pages: ``Ahead.layout_fits``).
         cfg, ps = self.cfg, self.draft_kv.cfg.page_size
-        reads = [-(-(n + cfg.num_draft_tokens) // ps) for n in guess.lens]
-        wide = all(r <= held for r, held in zip(reads, held_pages(step.page_table), strict=True))
-        self.ahead = Ahead(guess.step, guess.paths,
-                           np.array([(n + self._temporary_nodes()) // ps + 1 for n in guess.lens]),
-                           tree, self._verify_meta(guess.step) if wide else None,
-                           np.array(reads))
+        reads = [round_up(n + cfg.num_draft_tokens, ps) // ps for n in guess.lens]
+        wide = all(r <= h for r, h in zip(reads, guess.held, strict=True))
+        self.ahead = Ahead(guess.step, guess.paths, np.array(guess.reach), tree,
+                           self._verify_meta(guess.step) if wide else None, np.array(reads))
 
     def _temporary_nodes(self) -> int:
         """How far past the next root the next tree's temporary draft nodes reach."""
@@ -389,14 +390,15 @@ class Drafter:
         roots = committed_lens(step).tolist()
         lens = [r + len(a.nodes) for r, a in zip(roots, accepted, strict=True)]
         ps, extra = self.draft_kv.cfg.page_size, self._temporary_nodes()
-        if any((n + extra) // ps >= held
-               for n, held in zip(lens, held_pages(step.page_table), strict=True)):
+        held = held_pages(step.page_table)
+        reach = [(n + extra) // ps + 1 for n in lens]
+        if any(r > h for r, h in zip(reach, held, strict=True)):
             return None
         plan = SpecStep(np.array([t for a in accepted for t in a.tokens], dtype=np.int64),
                         np.array([len(a.nodes) for a in accepted], dtype=np.int32),
                         np.array([r + 1 for r in roots], dtype=np.int32), step.page_table,
                         step.keys, np.zeros(0, dtype=np.int64), True)
-        return Guess(plan, [a.nodes for a in accepted], lens)
+        return Guess(plan, [a.nodes for a in accepted], lens, held, reach)
 
     def guessed_by_all(self, step: SpecStep) -> bool:
         """Whether every other rank works out ``guess`` itself after ``step``: the drafting
