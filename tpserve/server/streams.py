@@ -8,10 +8,10 @@ finished or aborted and its admission released, so KV pages and queue slots come
 from __future__ import annotations
 
 import asyncio
-import json
 from collections.abc import AsyncIterator, Awaitable
 from typing import Any, TypeVar
 
+import orjson
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
@@ -86,7 +86,12 @@ async def merged(client: EngineClient, items: list[Item]
 
 
 def sse(payload: Any) -> bytes:
-    return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n".encode()
+    """One server-sent event. Every streamed token is one of these on the event loop's thread,
+    and a /generate event carries the whole output so far (SGLang's format): with the
+    standard library's encoder that was a quarter of the loop's time per token at 256-token
+    streams, beside two engine threads on two cores; orjson writes the same JSON (UTF-8 left
+    unescaped, logprobs always finite: ``fused.finite_logprobs``) several times faster."""
+    return b"data: " + orjson.dumps(payload) + b"\n\n"
 
 
 SSE_DONE = b"data: [DONE]\n\n"
