@@ -29,7 +29,7 @@ import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-import httpx
+import aiohttp
 
 from launch import served_client as sc
 from launch import served_llama
@@ -62,8 +62,7 @@ class Plan:
 
 async def _tpserve_figures(url: str, plan: Plan, rng: random.Random, long: bool
                            ) -> dict[str, float]:
-    limits = httpx.Limits(max_connections=512, max_keepalive_connections=512)
-    async with httpx.AsyncClient(timeout=httpx.Timeout(3600.0), limits=limits) as client:
+    async with sc.new_session() as client:
         await sc.stream(client, url, sc.random_ids(rng, 16, plan.cfg.vocab), 4)  # first contact
         values: dict[str, float] = {}
         for fig in plan.figures:
@@ -72,7 +71,8 @@ async def _tpserve_figures(url: str, plan: Plan, rng: random.Random, long: bool
                     values |= await sc.concurrency(client, url, plan.cfg, rng, int(fig[1:]))
                 elif long:
                     values |= await LONG_FIGURES[fig](client, url, plan.cfg, rng)
-            except httpx.HTTPError as exc:  # the note says which figure broke, and how
+            # the note says which figure broke, and how
+            except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
                 raise FigureFailed(f"figure {fig}: {type(exc).__name__}: {exc!r}") from exc
     return values
 

@@ -11,10 +11,14 @@ import asyncio
 import json
 import math
 import random
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
 
-import httpx
+import aiohttp
 import numpy as np
 import pytest
+from aiohttp import web
+from aiohttp.test_utils import TestServer
 
 from launch import served_client as sc
 from launch.llamacpp_output import (
@@ -38,6 +42,8 @@ from launch.served_stats import (
     percentile,
     steady_decode_rate,
 )
+
+T = TypeVar("T")
 
 BENCH_JSON = """[
   {
@@ -255,35 +261,52 @@ def test_cpuinfo() -> None:
     assert info["flags"] == ["avx2", "fma", "avx512f", "avx512_bf16", "amx_tile"]
 
 
-def fake_server(chunk: int = 1) -> httpx.MockTransport:
-    """/generate streaming ``max_new_tokens`` events of ``chunk`` tokens, like tpserve's SSE."""
+def fake_app(chunk: int = 1) -> web.Application:
+    """/generate streaming ``max_new_tokens`` events of ``chunk`` tokens, like tpserve's SSE:
+    each event carries the whole output so far (so long streams have long events)."""
 
-    def handler(request: httpx.Request) -> httpx.Response:
-        body = json.loads(request.content)
+    async def generate(request: web.Request) -> web.StreamResponse:
+        body = await request.json()
         n = body["sampling_params"]["max_new_tokens"]
         assert body["stream"] and body["sampling_params"]["ignore_eos"]
-        events = [{"text": "", "output_ids": [5] * k, "meta_info": {"completion_tokens": k}}
-                  for k in range(chunk, n + chunk, chunk)]
-        sse = "".join(f"data: {json.dumps(e)}\n\n" for e in events) + "data: [DONE]\n\n"
-        return httpx.Response(200, content=sse.encode(), headers={"content-type": "text/event-stream"})
+        resp = web.StreamResponse(headers={"content-type": "text/event-stream"})
+        await resp.prepare(request)
+        for k in range(chunk, n + chunk, chunk):
+            event = {"text": "x" * k, "output_ids": [5] * k, "meta_info": {"completion_tokens": k}}
+            await resp.write(f"data: {json.dumps(event)}\n\n".encode())
+        await resp.write(b"data: [DONE]\n\n")
+        return resp
 
-    return httpx.MockTransport(handler)
+    app = web.Application()
+    app.router.add_post("/generate", generate)
+    return app
+
+
+async def _with_fake_server(chunk: int, work: Callable[[aiohttp.ClientSession, str], Awaitable[T]]
+                            ) -> T:
+    """Run ``work(session, url)`` against ``fake_app`` on a loopback port."""
+    server = TestServer(fake_app(chunk), host="127.0.0.1")
+    await server.start_server()
+    try:
+        async with sc.new_session() as session:
+            return await work(session, str(server.make_url("")).rstrip("/"))
+    finally:
+        await server.close()
 
 
 def test_figures_produce_every_key_the_rows_report() -> None:
     cfg = sc.FigureConfig(tokens=8, prompt=4, depths=(16, 32), prefill=64, prefix=32,
                           gap_prompt=32, gap_stream_budget=64)
 
-    async def measure() -> dict[str, float]:
-        async with httpx.AsyncClient(transport=fake_server()) as client:
-            rng, out = random.Random(0), {}
-            for clients in (1, 16, 64):
-                out |= await sc.concurrency(client, "http://x", cfg, rng, clients)
-            for fig in (sc.context_depths, sc.prefill, sc.prefix, sc.midstream_gap):
-                out |= await fig(client, "http://x", cfg, rng)
-            return out
+    async def measure(client: aiohttp.ClientSession, url: str) -> dict[str, float]:
+        rng, out = random.Random(0), {}
+        for clients in (1, 16, 64):
+            out |= await sc.concurrency(client, url, cfg, rng, clients)
+        for fig in (sc.context_depths, sc.prefill, sc.prefix, sc.midstream_gap):
+            out |= await fig(client, url, cfg, rng)
+        return out
 
-    got = {f"tp1/{k}": v for k, v in asyncio.run(measure()).items()}
+    got = {f"tp1/{k}": v for k, v in asyncio.run(_with_fake_server(1, measure)).items()}
     with_slope(got, cfg.depths, prefix="tp1/")
     needed = {k for r in rows(("b1", "b16", "b64", "ctx", "prefill", "prefix", "gap"), (1,), (1,), cfg)
               for k in (*r.ours, *([r.ratio_key] if r.ratio_key else []))}
@@ -292,12 +315,20 @@ def test_figures_produce_every_key_the_rows_report() -> None:
 
 
 def test_stream_reads_multi_token_events() -> None:
-    async def one() -> Trace:
-        async with httpx.AsyncClient(transport=fake_server(chunk=3)) as client:
-            return await sc.stream(client, "http://x", [300, 301], 9)
+    async def one(client: aiohttp.ClientSession, url: str) -> Trace:
+        return await sc.stream(client, url, [300, 301], 9)
 
-    t = asyncio.run(one())
+    t = asyncio.run(_with_fake_server(3, one))
     assert [c for _, c in t.events] == [3, 6, 9] and t.prompt_tokens == 2
+
+
+def test_stream_reads_events_longer_than_a_line_buffer() -> None:
+    """20,000 tokens: the last events are ~200 KB, past aiohttp's line-reading limit."""
+    async def one(client: aiohttp.ClientSession, url: str) -> Trace:
+        return await sc.stream(client, url, [300], 40_000)
+
+    t = asyncio.run(_with_fake_server(2000, one))
+    assert [c for _, c in t.events] == list(range(2000, 40_001, 2000))
 
 
 def test_tokenizer_matches_gguf_vocabulary() -> None:
