@@ -271,8 +271,9 @@ class Engine:
             decoding = sum(1 for q in batch.q_lens if q == 1)
             # A prompt step held back running requests (else it costs every setting alike).
             stalled = len(self.scheduler.running) > len(batch.requests)
-            self.adaptive.observe(setting, batch.kind, decoding, seconds, appended, stalled,
-                                  fed)
+            with self.profiler.phase("adapt"):
+                self.adaptive.observe(setting, batch.kind, decoding, seconds, appended,
+                                      stalled, fed)
 
     def _phase(self, name: str) -> AbstractContextManager[None]:
         inner = self.profiler.phase(name)
@@ -298,11 +299,12 @@ class Engine:
         """A plain step: (tokens appended, whether it fed the draft; the chooser times
         unfollowed plain steps apart)."""
         prof = self.profiler
-        msg = self.scheduler.plan(batch)
-        if self.spec is not None:
-            msg = replace(msg, feed=self.spec.draft_feed(batch.requests, self._live(),
-                                                          batch.q_lens, self.follow_new,
-                                                          self._release()))
+        with prof.phase("plan"):
+            msg = self.scheduler.plan(batch)
+            if self.spec is not None:
+                msg = replace(msg, feed=self.spec.draft_feed(batch.requests, self._live(),
+                                                              batch.q_lens, self.follow_new,
+                                                              self._release()))
         # The last step's events go out from inside this forward (HostWork); their time is
         # then part of this phase's.
         events = self._take_events()
@@ -324,7 +326,8 @@ class Engine:
         """Draft + verify on every rank, acceptance here, then the same commit on all."""
         assert self.spec is not None
         spec, prof, reqs = self.spec, self.profiler, batch.requests
-        msg = spec.plan(reqs, self._live())
+        with prof.phase("plan"):
+            msg = spec.plan(reqs, self._live())
         self._publish(msg)
         verified = spec.run(msg, self._phase)
         with prof.phase("accept"):
