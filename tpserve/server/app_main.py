@@ -110,8 +110,6 @@ def serve_http(args: ServerArgs, setup: Any, engine: Engine, tokenizer: Tokenize
                                    "chat_template": template.origin, **gen.info(),
                                    "eos_token_ids": sorted(eos)})
     app = build_app(state, metrics, template, model_name)
-    # loop / http "auto" (the defaults) take uvloop and httptools, both dependencies: per
-    # streamed token the event loop's thread then costs less of the cores the engine uses.
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                             timeout_graceful_shutdown=max(1, round(args.shutdown_timeout_s)))
     server = TpServer(config, on_stop=state.mark_shutting_down)
