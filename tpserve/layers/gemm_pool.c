@@ -4,9 +4,9 @@
  * Why its own and not torch's intra-op pool: a decode projection lasts 5-100 us, and handing
  * work to a sleeping thread costs about as much, so helpers spin for SPIN_NS after each job
  * (the next projection, or the next decode step's first, usually arrives within that) and
- * only then sleep on a condition variable. at::parallel_for would need this library built against torch's OpenMP
- * runtime, whose spin policy we do not control. The thread count is process state set by
- * gemm_set_threads (the server sets it beside torch.set_num_threads).
+ * only then sleep on a condition variable. at::parallel_for would need this library built
+ * against torch's OpenMP runtime, whose spin policy we do not control. The thread count is
+ * process state set by gemm_set_threads (the server sets it beside torch.set_num_threads).
  *
  * Chunks are claimed one at a time from a single atomic word, and the caller waits only for
  * chunks some thread has claimed, never for a helper to show up: on a machine with more
