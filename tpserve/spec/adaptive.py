@@ -84,6 +84,7 @@ class AdaptiveConfig:
     refollow_every: int = 4096  # steps after which new requests are followed to re-measure
     refollow_doublings: int = 3  # that wait doubles per re-measurement plain still won, up to 8x
     refresh_within: float = 0.25  # settings this close to the best are re-measured sooner
+    quiet_steps: int = 16  # most steps between two checks for a due re-measurement
     alpha: float = 0.2  # weight of a new measurement in the moving averages (times)
     tokens_alpha: float = 0.02  # the same for tokens per step, which swing far more
     fit_alpha: float = 0.005  # weight of a tree step in its line through the chain's tokens
@@ -262,6 +263,8 @@ class AdaptiveChooser:
         self.probe_from: Setting | None = None
         self.decided_at: tuple[int, Setting] | None = None  # bucket and setting last judged
         self._follow: dict[int, tuple[int, bool]] = {}  # per bucket: step, worth_following
+        # Per bucket: the step before which no re-measurement is due (``_explore``).
+        self._quiet: dict[int, int] = {}
         # Per bucket: the step any speculative setting last ran there, and how many times in
         # a row new requests were followed to re-measure speculation there after which plain
         # decoding still led (see ``_refollow_due``).
@@ -294,7 +297,10 @@ class AdaptiveChooser:
             known.pop(UNFOLLOWED, None)
         else:
             self._forget_predictions(bucket)
-        cost = self.costs.setdefault(bucket, {}).setdefault(setting, Costs())
+        row = self.costs.setdefault(bucket, {})
+        cost = row.get(setting)
+        if cost is None:  # not setdefault: a Costs built per step was ~4 us of it
+            cost = row[setting] = Costs()
         cost.restart_window()
         alpha = self.cfg.alpha
         cost.step_ms.add(step_ms, alpha)
@@ -508,6 +514,8 @@ class AdaptiveChooser:
         skipped where that one delivered under ``skip_below`` of plain's tok/s: each of their
         steps costs several plain ones (demo pair, 8 clients: 33-43 ms against 5 ms), and a
         short burst of load pays the whole exploration."""
+        if self.probe_from is None and self.steps < self._quiet.get(bucket, 0):
+            return None  # set below, only once every anchor was measured here
         # Unfollowed plain steps are measured only as they come (see ``worth_following``).
         table = {s: c for s, c in self.costs.get(bucket, {}).items() if s != UNFOLLOWED}
         measured = {a: c for a, c in table.items() if c.step_ms.count >= self.cfg.explore_steps}
@@ -524,20 +532,31 @@ class AdaptiveChooser:
         # (the demo pair's tree at 7.4 ms a step against its usual 5.4, 374 tok/s to a
         # chain's 608, for good). Its tokens per request need no restart: every
         # speculative step moves them (see ``observe_accepts``).
+        if self.probe_from is not None:
+            return None
         stale = min(table, key=lambda s: table[s].last_step)
-        if (self.probe_from is not None
-                or self.steps - table[stale].last_step <= self.cfg.refresh_every):
+        if self.steps - table[stale].last_step <= self.cfg.refresh_every:
             return None
         best = self._best(bucket)
-        due = [s for s in table
-               if self.steps - table[s].last_step > self._refresh_interval(bucket, s, best)]
+        waits = {s: self._refresh_interval(bucket, s, best) for s in table}
+        due = [s for s in table if self.steps - table[s].last_step > waits[s]]
         if not due:
+            # Nothing is due until the soonest wait runs out (or ``quiet_steps``: the waits
+            # move with the predictions).
+            soonest = min(table[s].last_step + waits[s] for s in table) + 1
+            self._quiet[bucket] = min(soonest, self.steps + self.cfg.quiet_steps)
             return None
         stale = min(due, key=lambda s: table[s].last_step)
         table[stale].restart = True
         table[stale].backoff += 1  # undone when it is judged near the best again
         if stale != self.current:
             self.probe_from = self.current
+        else:
+            # Already running: its next step is the re-measurement. Fed plain decoding stays
+            # due while a steady load goes unfollowed (its steps time as UNFOLLOWED), and
+            # working this out again every step was ~20 of the chooser's ~35 us a plain
+            # step at 8 clients (demo pair's settings, 2-vCPU Zen 3).
+            self._quiet[bucket] = self.steps + self.cfg.quiet_steps
         return stale
 
     def _refresh_interval(self, bucket: int, setting: Setting, best: float | None) -> int:
