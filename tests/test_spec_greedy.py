@@ -79,6 +79,7 @@ def generate_one_drafting(arg: tuple) -> dict:
     if engine.built.info.rank != 0:
         engine.follow()
         (side / "trees.json").write_text(json.dumps(drafter.trees))
+        (side / "trees_sent.json").write_text(json.dumps(drafter._trees_sent))
         return {}
     comm = engine.built.runner.comm
     comm.set_profiling(True)
@@ -114,12 +115,15 @@ def test_tp2_one_drafting_rank_hands_the_tree_over(ckpts: tuple[Path, Path, Path
     ref = generate((target, None, SETTINGS[0], batch))
     got = run_tp(2, generate_one_drafting, (target, drafter, "one", tmp_path, setting, batch))
     ahead = json.loads((tmp_path / "trees.json").read_text())
+    sent = json.loads((tmp_path / "trees_sent.json").read_text())
     every = run_tp(2, generate_one_drafting, (target, drafter, "all", tmp_path, setting, batch))
     assert got["outputs"] == every["outputs"] == ref
     assert got["rank"] == 1 and not got["drafts"] and got["draft_kv"] == 0.0
     assert every["rank"] is None and every["drafts"] and every["draft_kv"] > 0.0
     spec, trees = dict(got["spec"]), got["spec"]["draft_trees"]
-    assert not any(trees.values()) and sum(every["spec"]["draft_trees"].values()) > 0
+    # Rank 0 grew none itself; it reports rank 1's counts as of the last tree handed over.
+    assert trees == sent, (trees, sent)
+    assert trees["native"] + trees["loop"] > 0 and sum(every["spec"]["draft_trees"].values()) > 0
     # Rank 1: every step's tree was either grown ahead and used, or grown from the plan.
     assert ahead["ahead"] > ahead["ahead_wasted"] and ahead["ahead"] > 0
     # Most of those plans rank 0 confirmed with a bare "as guessed" (TP = 2: rank 1 is the

@@ -237,9 +237,9 @@ class SpecDecoder:
 
     def reset_stats(self) -> None:
         self.stats = SpecStats()
-        self.drafter.trees = dict.fromkeys(self.drafter.trees, 0)
+        self.drafter.reset_tree_counts()
 
     def snapshot(self) -> dict[str, Any]:
-        # Trees grown on this rank (rank 0 grows none when another rank drafts for all).
-        return {**self.stats.snapshot(), "draft_trees": dict(self.drafter.trees),
+        # Rank 0 grows no trees when another rank drafts for all: that rank's counts.
+        return {**self.stats.snapshot(), "draft_trees": self.drafter.tree_counts(),
                 "drafting_rank": self.drafter.drafting_rank}

@@ -182,6 +182,11 @@ class Drafter:
         # Of the trees grown ahead, those whose plan rank 0 confirmed as guessed (``Guessed``).
         self.trees = {"native": 0, "loop": 0, "ahead": 0, "ahead_wasted": 0, "guessed": 0,
                       "ahead_layout": 0}
+        # The drafting rank's counts ride with each tree it hands over, as changes since the
+        # last one (small integers: exact in the fp32 allreduce): ``_trees_sent`` there, the
+        # running sum on every other rank in ``drafting_trees`` (what rank 0 reports).
+        self._trees_sent = dict.fromkeys(self.trees, 0)
+        self.drafting_trees = dict.fromkeys(self.trees, 0)
         self.ahead: Ahead | None = None
         self.page_features = torch.zeros(draft_kv.cfg.num_pages, draft.cfg.base.hidden_size,
                                          dtype=draft.fc.weight.dtype, device=runner.device)
@@ -473,20 +478,38 @@ class Drafter:
         own host work (acceptance, streaming, KV compaction, the next plan) ran before or
         after it, all on the step's critical path. With the draft on the last rank, rank 0
         compacts KV and streams output while it drafts."""
-        n = self.cfg.num_draft_tokens
+        n, k = self.cfg.num_draft_tokens, len(self.trees)
         if tree is None:
-            packed = torch.zeros(batch, 3 * n + n * n, dtype=torch.float32,
+            packed = torch.zeros(batch, 3 * n + n * n + k, dtype=torch.float32,
                                  device=self.runner.device)
         else:
+            counts = torch.zeros(batch, k, dtype=torch.long, device=tree.tokens.device)
+            counts[0] = torch.tensor([v - self._trees_sent[key] for key, v in self.trees.items()])
+            self._trees_sent = dict(self.trees)
             packed = torch.cat((tree.tokens, tree.parents, tree.depths,
-                                tree.mask.reshape(batch, n * n)), 1).float()
+                                tree.mask.reshape(batch, n * n), counts), 1).float()
         assert self.runner.comm is not None
         whole = self.runner.comm.all_reduce(packed)
         if tree is not None:  # the sum is this rank's own tree: no need to unpack it
             return tree
-        whole = whole.long()
+        for key, change in zip(self.trees, whole[0, 3 * n + n * n :].tolist(), strict=True):
+            self.drafting_trees[key] += int(change)
+        whole = whole[:, : 3 * n + n * n].long()
         return DraftTree(whole[:, :n], whole[:, n : 2 * n], whole[:, 2 * n : 3 * n],
                          whole[:, 3 * n :].reshape(batch, n, n) != 0)
+
+    def tree_counts(self) -> dict[str, int]:
+        """Trees grown, by how: this rank's own, or where another rank drafts for all, that
+        rank's as of the last tree it handed over."""
+        mine = self.drafts or self.drafting_rank is None
+        return dict(self.trees if mine else self.drafting_trees)
+
+    def reset_tree_counts(self) -> None:
+        """Zero the counts (the statistics reset). The drafting rank keeps sending changes
+        since its last hand-over, so the other ranks' sums restart from zero too."""
+        self.trees = dict.fromkeys(self.trees, 0)
+        self._trees_sent = dict.fromkeys(self.trees, 0)
+        self.drafting_trees = dict.fromkeys(self.trees, 0)
 
     def _draft_step(self, fb: ForwardBatch, hidden: torch.Tensor
                     ) -> tuple[torch.Tensor, torch.Tensor]:
