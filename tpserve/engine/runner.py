@@ -52,7 +52,6 @@ class ModelRunner:
         batch.host_work = work = HostWork(host_work)
         if self.static is not None:
             work.run()  # a compiled run or a graph replay has no Python inside to run it
-        rows = torch.as_tensor(logit_rows, dtype=torch.long).to(self.device)
         try:
             if batch.queries == 1 and not aux_layers:
                 logits, hidden = run_static(self.static, self.decode_forward, batch, {})
@@ -60,13 +59,16 @@ class ModelRunner:
                     # A fresh tensor already in order (a captured graph's is its reused
                     # output buffer, and padded): the copy was ~0.3 ms a step at batch 16.
                     return ForwardOutput(logits=logits, hidden=hidden, aux=[])
-                return ForwardOutput(logits=logits.index_select(0, rows), hidden=hidden,
-                                     aux=[])
+                return ForwardOutput(logits=logits.index_select(0, self._rows(logit_rows)),
+                                     hidden=hidden, aux=[])
             hidden, aux = self.model(batch, self.kv.layers, aux_layers)
-            logits = self.model.logits(hidden.index_select(0, rows))
+            logits = self.model.logits(hidden.index_select(0, self._rows(logit_rows)))
             return ForwardOutput(logits=logits, hidden=hidden, aux=aux)
         finally:
             work.run()  # a model that never started it
+
+    def _rows(self, logit_rows: Any) -> torch.Tensor:
+        return torch.as_tensor(logit_rows, dtype=torch.long).to(self.device)
 
 
 def every_row(logit_rows: Any, rows: int) -> bool:

@@ -471,19 +471,22 @@ class Drafter:
 
     def _hand_over(self, tree: DraftTree | None, batch: int) -> DraftTree:
         """The drafting rank's tree on every rank: one allreduce of the packed tree (tokens,
-        parents, depths, mask as fp32, exact below 2**24; the other ranks add zeros).
+        parents, depths, mask as fp32, exact below 2**24; the other ranks add zeros), followed
+        by the changes of the drafting rank's tree counts in row 0 (``tree_counts``).
 
         Why one rank: on CPU the ranks share the cores, and every rank drafting the same tree
         spent rank 0's core on it (~1.2 ms a step on the demo pair at TP = 2) while rank 0's
         own host work (acceptance, streaming, KV compaction, the next plan) ran before or
         after it, all on the step's critical path. With the draft on the last rank, rank 0
         compacts KV and streams output while it drafts."""
-        n, k = self.cfg.num_draft_tokens, len(self.trees)
+        n = self.cfg.num_draft_tokens
+        width = 3 * n + n * n  # the tree's columns
         if tree is None:
-            packed = torch.zeros(batch, 3 * n + n * n + k, dtype=torch.float32,
+            packed = torch.zeros(batch, width + len(self.trees), dtype=torch.float32,
                                  device=self.runner.device)
         else:
-            counts = torch.zeros(batch, k, dtype=torch.long, device=tree.tokens.device)
+            counts = torch.zeros(batch, len(self.trees), dtype=torch.long,
+                                 device=tree.tokens.device)
             counts[0] = torch.tensor([v - self._trees_sent[key] for key, v in self.trees.items()])
             self._trees_sent = dict(self.trees)
             packed = torch.cat((tree.tokens, tree.parents, tree.depths,
@@ -492,17 +495,16 @@ class Drafter:
         whole = self.runner.comm.all_reduce(packed)
         if tree is not None:  # the sum is this rank's own tree: no need to unpack it
             return tree
-        for key, change in zip(self.trees, whole[0, 3 * n + n * n :].tolist(), strict=True):
+        for key, change in zip(self.trees, whole[0, width:].tolist(), strict=True):
             self.drafting_trees[key] += int(change)
-        whole = whole[:, : 3 * n + n * n].long()
+        whole = whole[:, :width].long()
         return DraftTree(whole[:, :n], whole[:, n : 2 * n], whole[:, 2 * n : 3 * n],
                          whole[:, 3 * n :].reshape(batch, n, n) != 0)
 
     def tree_counts(self) -> dict[str, int]:
         """Trees grown, by how: this rank's own, or where another rank drafts for all, that
         rank's as of the last tree it handed over."""
-        mine = self.drafts or self.drafting_rank is None
-        return dict(self.trees if mine else self.drafting_trees)
+        return dict(self.trees if self.drafts else self.drafting_trees)
 
     def reset_tree_counts(self) -> None:
         """Zero the counts (the statistics reset). The drafting rank keeps sending changes
