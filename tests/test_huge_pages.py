@@ -2,29 +2,60 @@
 
 from __future__ import annotations
 
+import ctypes
+import errno
 from pathlib import Path
 
+import pytest
 import torch
 from torch import nn
 
 from tests.checkpoints import make_checkpoint
-from tpserve.layers.huge_pages import HUGE_PAGE, huge_arena, rehome_parameters
+from tpserve.layers import huge_pages
+from tpserve.layers.huge_pages import (
+    HUGE_PAGE,
+    PrefaultError,
+    huge_arena,
+    prefault,
+    rehome_parameters,
+)
 from tpserve.layers.tp import TPContext
 from tpserve.models.registry import build_model
 
 
-def _vm_flags(address: int) -> list[str]:
-    """The VmFlags of the mapping holding ``address`` (/proc/self/smaps)."""
+def _smaps(address: int) -> dict[str, list[str]]:
+    """The /proc/self/smaps fields of the mapping holding ``address``."""
+    fields: dict[str, list[str]] = {}
     inside = False
     with open("/proc/self/smaps") as f:
         for line in f:
             head = line.split()[0]
             if "-" in head and ":" not in head:
+                if inside:
+                    return fields
                 lo, hi = (int(v, 16) for v in head.split("-"))
                 inside = lo <= address < hi
-            elif inside and line.startswith("VmFlags:"):
-                return line.split()[1:]
+            elif inside:
+                fields[head.rstrip(":")] = line.split()[1:]
+    if inside:
+        return fields
     raise AssertionError(f"no mapping holds {address:#x}")
+
+
+def _vm_flags(address: int) -> list[str]:
+    return _smaps(address)["VmFlags"]
+
+
+def _resident_bytes(t: torch.Tensor) -> int:
+    """Bytes of ``t``'s whole small pages that are resident (mincore(2))."""
+    page = 4096
+    start = -(-t.data_ptr() // page) * page
+    pages = (t.data_ptr() + t.nbytes - start) // page
+    vec = (ctypes.c_ubyte * pages)()
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+    assert libc.mincore(start, pages * page, vec) == 0, ctypes.get_errno()
+    return sum(v & 1 for v in vec) * page
 
 
 def test_arena_is_aligned_zeroed_and_advised() -> None:
@@ -79,3 +110,53 @@ def test_cpu_kv_cache_is_zeroed_and_advised() -> None:
     cache.pools[0][:, 5] = 1.0
     cache.move_slots([5], [9])
     assert cache.pools[0][:, 9].eq(1.0).all() and cache.layers[2][0][9].eq(1.0).all()
+
+
+MB = 1 << 20
+
+
+def test_prefault_backs_every_page_and_keeps_zeros() -> None:
+    lazy = huge_arena(8 * MB)
+    assert _resident_bytes(lazy) == 0  # nothing touched yet
+    backed = huge_pages.huge_zeros((8 * MB // 2,), torch.bfloat16, populate=True)
+    assert _resident_bytes(backed) == 8 * MB
+    assert not backed.any()
+
+
+def test_prefault_falls_back_to_touching_pages(monkeypatch: pytest.MonkeyPatch) -> None:
+    # An older kernel answers MADV_POPULATE_WRITE with EINVAL: one write per page instead.
+    monkeypatch.setattr(huge_pages, "_madvise_populate", lambda t: errno.EINVAL)
+    arena = huge_arena(6 * MB)
+    assert _resident_bytes(arena) == 0
+    prefault(arena[MB + 100:])
+    assert _resident_bytes(arena[MB:]) == 5 * MB and not arena.any()
+
+
+def test_prefault_refusal_is_a_typed_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(huge_pages, "_madvise_populate", lambda t: errno.ENOMEM)
+    with pytest.raises(PrefaultError, match="could not back 2 MB"):
+        prefault(huge_arena(2 * MB))
+
+
+def test_kv_cache_prefault_follows_the_flag(monkeypatch: pytest.MonkeyPatch) -> None:
+    from tpserve.args import parse_args
+    from tpserve.engine import build
+    from tpserve.engine.kv_cache import KVCache, KVCacheConfig
+    from tpserve.errors import ConfigError
+
+    cfg = KVCacheConfig.gqa(257, 16, 2, 4, 64, torch.bfloat16)  # 2 x 2 MB + a page per pool
+    backed = KVCache(cfg, torch.device("cpu"), prefault=True)
+    lazy = KVCache(cfg, torch.device("cpu"))
+    assert backed.prefault and not lazy.prefault
+    for pool in backed.pools:
+        assert _resident_bytes(pool) >= pool.nbytes - 8192 and not pool.any()
+    for pool in lazy.pools:
+        assert _resident_bytes(pool) == 0
+    assert not parse_args([]).disable_kv_prefault
+    assert parse_args(["--disable-kv-prefault"]).disable_kv_prefault
+    # A cache the OS will not back stops start-up with a flag to turn, not a crash later.
+    monkeypatch.setattr(huge_pages, "_madvise_populate", lambda t: errno.ENOMEM)
+    with pytest.raises(ConfigError, match="--kv-cache-gb") as info:
+        build.backed_kv(cfg, torch.device("cpu"), prefault=True)
+    assert isinstance(info.value.__cause__, PrefaultError)
+    assert not build.backed_kv(cfg, torch.device("cpu"), prefault=False).prefault

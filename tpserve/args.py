@@ -24,6 +24,7 @@ class ServerArgs:
     page_size: int = 16
     mem_fraction_static: float = 0.85
     kv_cache_gb: float = 1.0  # CPU KV budget per rank
+    disable_kv_prefault: bool = False  # CPU: back the KV cache's memory at start-up by default
     max_total_tokens: int | None = None
     cpu_threads: int | None = None
     max_new_tokens_limit: int = 32768
@@ -82,6 +83,9 @@ FLAG_HELP = {
     "mem_fraction_static": "GPU: fraction of memory for weights + KV cache",
     "kv_cache_gb": "CPU: KV cache budget per rank in GB",
     "max_total_tokens": "cap on KV cache tokens (overrides the memory-based size)",
+    "disable_kv_prefault": "CPU: leave the KV cache's memory to be backed at first write "
+                           "(faster start-up; by default it is backed at start-up, so no "
+                           "step stalls on page faults as the cache fills)",
     "cpu_threads": "torch and matmul-pool threads per rank on CPU (default: cores / local ranks)",
     "max_new_tokens_limit": "largest max_new_tokens a request may ask for",
     "seed": "server seed for requests without one",

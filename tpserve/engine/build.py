@@ -45,6 +45,7 @@ from tpserve.engine.static_setup import (
 )
 from tpserve.errors import ConfigError
 from tpserve.layers import cpu_ops
+from tpserve.layers.huge_pages import PrefaultError
 from tpserve.layers.tp import TPContext
 from tpserve.loader import resolve_dtype
 from tpserve.model_path import resolve_args
@@ -216,6 +217,15 @@ def agree_min(value: int, info: RankInfo) -> int:
     return int(t.item())
 
 
+def backed_kv(cfg: KVCacheConfig, device: torch.device, prefault: bool) -> KVCache:
+    """The cache; one the OS will not back (``prefault``) stops start-up with the flag to turn."""
+    try:
+        return KVCache(cfg, device, prefault)
+    except PrefaultError as exc:
+        raise ConfigError(f"the KV cache does not fit in memory ({exc}); lower --kv-cache-gb",
+                          "--kv-cache-gb") from exc
+
+
 def make_kv(args: ServerArgs, model: torch.nn.Module, draft: LoadedDraft | None, info: RankInfo,
             dtype: torch.dtype, context_length: int) -> KVCache:
     """Pages for the target's layout, sized together with the draft's (same page ids)."""
@@ -234,6 +244,9 @@ def make_kv(args: ServerArgs, model: torch.nn.Module, draft: LoadedDraft | None,
     if kv_cfg.max_tokens < min(context_length, 2 * args.page_size):
         raise ConfigError(f"the KV budget gives only {pages - 1} pages; raise --kv-cache-gb or "
                           "--mem-fraction-static", "--kv-cache-gb")
-    log.info("KV cache: %d pages x %d tokens (%.1f MB per rank, %d bytes per token)", pages,
-             args.page_size, pages * args.page_size * per_token / 1e6, per_token)
-    return KVCache(kv_cfg, info.device)
+    start = time.perf_counter()
+    kv = backed_kv(kv_cfg, info.device, prefault=not args.disable_kv_prefault)
+    log.info("KV cache: %d pages x %d tokens (%.1f MB per rank, %d bytes per token%s)", pages,
+             args.page_size, pages * args.page_size * per_token / 1e6, per_token,
+             f", backed in {time.perf_counter() - start:.1f} s" if kv.prefault else "")
+    return kv

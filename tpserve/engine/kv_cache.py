@@ -64,16 +64,18 @@ class KVCacheConfig:
 
 
 class KVCache:
-    def __init__(self, cfg: KVCacheConfig, device: torch.device) -> None:
+    def __init__(self, cfg: KVCacheConfig, device: torch.device, prefault: bool = False) -> None:
         self.cfg = cfg
+        self.prefault = prefault and device.type == "cpu"  # a draft's cache on its pages follows
         slots = cfg.num_pages * cfg.page_size
         # One tensor per entry across layers ([layers, slots, heads, dim]); each layer reads a
         # contiguous view of it, and moving slots is one gather/scatter over every layer.
         # zeros, not empty: the dummy page must hold finite values (0 * NaN would poison SDPA),
         # and large zeroed CPU allocations are lazily backed by the OS anyway. On CPU in huge
-        # pages, like the weights (layers/huge_pages.py): attention streams the cache too.
+        # pages, like the weights (layers/huge_pages.py): attention streams the cache too;
+        # ``prefault`` backs them now rather than at each 2 MB page's first write.
         self.pools: tuple[torch.Tensor, ...] = tuple(
-            huge_zeros((cfg.layout.num_layers, slots, h, d), cfg.dtype)
+            huge_zeros((cfg.layout.num_layers, slots, h, d), cfg.dtype, self.prefault)
             if device.type == "cpu" else
             torch.zeros((cfg.layout.num_layers, slots, h, d), dtype=cfg.dtype, device=device)
             for h, d in cfg.layout.entries)

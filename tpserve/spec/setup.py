@@ -89,7 +89,7 @@ def make_decoder(loaded: LoadedDraft, cfg: SpecConfig, runner: ModelRunner, tp: 
     ``tp``: the target's context; ``draft_ranks``: ``--speculative-draft-ranks``."""
     kv = runner.kv.cfg
     draft_kv = KVCache(KVCacheConfig(kv.num_pages, kv.page_size, loaded.kv_layout, kv.dtype),
-                       runner.device)
+                       runner.device, runner.kv.prefault)
     embed = draft_embedding(runner.model.embed_tokens, loaded.model.tp)
     drafting = drafting_rank(draft_ranks, tp.size, loaded.model.tp.size, runner.device,
                              runner.model.cfg.vocab_size)
