@@ -140,8 +140,7 @@ def test_prefault_refusal_is_a_typed_error(monkeypatch: pytest.MonkeyPatch) -> N
 
 def test_kv_cache_prefault_follows_the_flag(monkeypatch: pytest.MonkeyPatch) -> None:
     from tpserve.args import parse_args
-    from tpserve.engine import build
-    from tpserve.engine.kv_cache import KVCache, KVCacheConfig
+    from tpserve.engine.kv_cache import KVCache, KVCacheConfig, backed_kv
     from tpserve.errors import ConfigError
 
     cfg = KVCacheConfig.gqa(257, 16, 2, 4, 64, torch.bfloat16)  # 2 x 2 MB + a page per pool
@@ -157,6 +156,6 @@ def test_kv_cache_prefault_follows_the_flag(monkeypatch: pytest.MonkeyPatch) -> 
     # A cache the OS will not back stops start-up with a flag to turn, not a crash later.
     monkeypatch.setattr(huge_pages, "_madvise_populate", lambda t: errno.ENOMEM)
     with pytest.raises(ConfigError, match="--kv-cache-gb") as info:
-        build.backed_kv(cfg, torch.device("cpu"), prefault=True)
+        backed_kv(cfg, torch.device("cpu"), prefault=True)
     assert isinstance(info.value.__cause__, PrefaultError)
-    assert not build.backed_kv(cfg, torch.device("cpu"), prefault=False).prefault
+    assert not backed_kv(cfg, torch.device("cpu"), prefault=False).prefault

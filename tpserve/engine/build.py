@@ -33,7 +33,7 @@ from tpserve.dist import (
 from tpserve.engine.adapt import make_driver
 from tpserve.engine.engine import Engine
 from tpserve.engine.follower import Channel, follow
-from tpserve.engine.kv_cache import KVCache, KVCacheConfig, KVLayout, PageAllocator
+from tpserve.engine.kv_cache import KVCache, KVCacheConfig, KVLayout, PageAllocator, backed_kv
 from tpserve.engine.messages import Shutdown
 from tpserve.engine.runner import ModelRunner
 from tpserve.engine.scheduler import Scheduler, SchedulerConfig
@@ -45,7 +45,6 @@ from tpserve.engine.static_setup import (
 )
 from tpserve.errors import ConfigError
 from tpserve.layers import cpu_ops
-from tpserve.layers.huge_pages import PrefaultError
 from tpserve.layers.tp import TPContext
 from tpserve.loader import resolve_dtype
 from tpserve.model_path import resolve_args
@@ -215,15 +214,6 @@ def agree_min(value: int, info: RankInfo) -> int:
     t = torch.tensor([value], dtype=torch.int64)
     dist.all_reduce(t, op=dist.ReduceOp.MIN)
     return int(t.item())
-
-
-def backed_kv(cfg: KVCacheConfig, device: torch.device, prefault: bool) -> KVCache:
-    """The cache; one the OS will not back (``prefault``) stops start-up with the flag to turn."""
-    try:
-        return KVCache(cfg, device, prefault)
-    except PrefaultError as exc:
-        raise ConfigError(f"the KV cache does not fit in memory ({exc}); lower --kv-cache-gb",
-                          "--kv-cache-gb") from exc
 
 
 def make_kv(args: ServerArgs, model: torch.nn.Module, draft: LoadedDraft | None, info: RankInfo,

@@ -11,9 +11,10 @@ from dataclasses import dataclass
 
 import torch
 
+from tpserve.errors import ConfigError
 from tpserve.layers import cpu_ops
 from tpserve.layers.fused import move_slots_reference
-from tpserve.layers.huge_pages import huge_zeros
+from tpserve.layers.huge_pages import PrefaultError, huge_zeros
 
 
 @dataclass(frozen=True)
@@ -96,6 +97,15 @@ class KVCache:
             torch.ops.tpserve.move_slots(list(self.pools), src, dst)
         else:
             move_slots_reference(list(self.pools), src, dst)
+
+
+def backed_kv(cfg: KVCacheConfig, device: torch.device, prefault: bool) -> KVCache:
+    """The cache; one the OS will not back (``prefault``) stops start-up with the flag to turn."""
+    try:
+        return KVCache(cfg, device, prefault)
+    except PrefaultError as exc:
+        raise ConfigError(f"the KV cache does not fit in memory ({exc}); lower --kv-cache-gb",
+                          "--kv-cache-gb") from exc
 
 
 class PageAllocator:

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from tpserve.engine.kv_cache import KVCache, KVCacheConfig, KVLayout
+from tpserve.engine.kv_cache import KVCacheConfig, KVLayout, backed_kv
 from tpserve.engine.runner import ModelRunner
 from tpserve.errors import ConfigError
 from tpserve.layers.tp import TPContext
@@ -88,8 +88,8 @@ def make_decoder(loaded: LoadedDraft, cfg: SpecConfig, runner: ModelRunner, tp: 
     """The decoder over ``runner``'s target, its draft KV on the same pages as the target's.
     ``tp``: the target's context; ``draft_ranks``: ``--speculative-draft-ranks``."""
     kv = runner.kv.cfg
-    draft_kv = KVCache(KVCacheConfig(kv.num_pages, kv.page_size, loaded.kv_layout, kv.dtype),
-                       runner.device, runner.kv.prefault)
+    draft_kv = backed_kv(KVCacheConfig(kv.num_pages, kv.page_size, loaded.kv_layout, kv.dtype),
+                         runner.device, runner.kv.prefault)
     embed = draft_embedding(runner.model.embed_tokens, loaded.model.tp)
     drafting = drafting_rank(draft_ranks, tp.size, loaded.model.tp.size, runner.device,
                              runner.model.cfg.vocab_size)
