@@ -14,7 +14,7 @@ from tests.checkpoints import make_checkpoint
 from tpserve.layers import huge_pages
 from tpserve.layers.huge_pages import (
     HUGE_PAGE,
-    PrefaultError,
+    NotEnoughMemory,
     huge_arena,
     prefault,
     rehome_parameters,
@@ -134,8 +134,41 @@ def test_prefault_falls_back_to_touching_pages(monkeypatch: pytest.MonkeyPatch) 
 
 def test_prefault_refusal_is_a_typed_error(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(huge_pages, "_madvise_populate", lambda t: errno.ENOMEM)
-    with pytest.raises(PrefaultError, match="could not back 2 MB"):
+    with pytest.raises(NotEnoughMemory, match="could not back 2 MB"):
         prefault(huge_arena(2 * MB))
+
+
+def test_prefault_refuses_more_than_the_machine_has(monkeypatch: pytest.MonkeyPatch) -> None:
+    free = huge_pages.available_bytes()
+    assert free is not None and free > 0  # /proc/meminfo is read
+    monkeypatch.setattr(huge_pages, "available_bytes", lambda: 3 * MB)
+    arena = huge_arena(4 * MB)
+    with pytest.raises(NotEnoughMemory, match="could not back 4 MB: 3 MB available"):
+        prefault(arena)
+    assert _resident_bytes(arena) == 0  # refused before touching anything
+    prefault(arena[: 3 * MB])
+    assert _resident_bytes(arena[: 3 * MB]) == 3 * MB
+
+
+def test_available_bytes_takes_a_cgroup_limit(monkeypatch: pytest.MonkeyPatch,
+                                              tmp_path: Path) -> None:
+    limit = tmp_path / "memory.max"
+    limit.write_text("5242880\n")
+    unlimited = tmp_path / "limit_in_bytes"
+    unlimited.write_text("9223372036854771712\n")
+    monkeypatch.setattr(huge_pages, "CGROUP_LIMITS", (str(limit), str(unlimited)))
+    assert huge_pages.available_bytes() == 5 * MB
+    limit.write_text("max\n")
+    assert huge_pages.available_bytes() not in (None, 5 * MB)
+
+
+def test_a_refused_mapping_is_a_typed_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    def refuse(*args: object, **kwargs: object) -> None:
+        raise OSError(errno.ENOMEM, "Cannot allocate memory")
+
+    monkeypatch.setattr(huge_pages.mmap, "mmap", refuse)
+    with pytest.raises(NotEnoughMemory, match="could not map 64 MB"):
+        huge_arena(64 * MB)
 
 
 def test_kv_cache_prefault_follows_the_flag(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -157,5 +190,21 @@ def test_kv_cache_prefault_follows_the_flag(monkeypatch: pytest.MonkeyPatch) -> 
     monkeypatch.setattr(huge_pages, "_madvise_populate", lambda t: errno.ENOMEM)
     with pytest.raises(ConfigError, match="--kv-cache-gb") as info:
         backed_kv(cfg, torch.device("cpu"), prefault=True)
-    assert isinstance(info.value.__cause__, PrefaultError)
+    assert isinstance(info.value.__cause__, NotEnoughMemory)
     assert not backed_kv(cfg, torch.device("cpu"), prefault=False).prefault
+
+
+def test_kv_cache_refuses_before_backing_any_pool(monkeypatch: pytest.MonkeyPatch) -> None:
+    from tpserve.engine.kv_cache import KVCache, KVCacheConfig
+
+    cfg = KVCacheConfig.gqa(257, 16, 2, 4, 64, torch.bfloat16)  # two pools of ~4 MB
+    one_pool = 257 * 16 * 2 * 4 * 64 * 2
+    backed: list[int] = []
+    monkeypatch.setattr(huge_pages, "available_bytes", lambda: one_pool + MB)
+    monkeypatch.setattr(huge_pages, "_madvise_populate", lambda t: backed.append(t.nbytes) or 0)
+    with pytest.raises(NotEnoughMemory, match="could not back 8 MB"):
+        KVCache(cfg, torch.device("cpu"), prefault=True)
+    assert backed == []  # the whole cache is weighed first
+    monkeypatch.setattr(huge_pages, "available_bytes", lambda: 2 * one_pool)
+    KVCache(cfg, torch.device("cpu"), prefault=True)
+    assert backed == [one_pool, one_pool]

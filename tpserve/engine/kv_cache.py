@@ -14,7 +14,7 @@ import torch
 from tpserve.errors import ConfigError
 from tpserve.layers import cpu_ops
 from tpserve.layers.fused import move_slots_reference
-from tpserve.layers.huge_pages import PrefaultError, huge_zeros
+from tpserve.layers.huge_pages import NotEnoughMemory, check_available, huge_zeros
 
 
 @dataclass(frozen=True)
@@ -69,6 +69,8 @@ class KVCache:
         self.cfg = cfg
         self.prefault = prefault and device.type == "cpu"  # a draft's cache on its pages follows
         slots = cfg.num_pages * cfg.page_size
+        if self.prefault:  # all pools at once: refuse before backing any of them
+            check_available(cfg.num_pages * cfg.page_size * cfg.bytes_per_token)
         # One tensor per entry across layers ([layers, slots, heads, dim]); each layer reads a
         # contiguous view of it, and moving slots is one gather/scatter over every layer.
         # zeros, not empty: the dummy page must hold finite values (0 * NaN would poison SDPA),
@@ -103,7 +105,7 @@ def backed_kv(cfg: KVCacheConfig, device: torch.device, prefault: bool) -> KVCac
     """The cache; one the OS will not back (``prefault``) stops start-up with the flag to turn."""
     try:
         return KVCache(cfg, device, prefault)
-    except PrefaultError as exc:
+    except NotEnoughMemory as exc:
         raise ConfigError(f"the KV cache does not fit in memory ({exc}); lower --kv-cache-gb",
                           "--kv-cache-gb") from exc
 

@@ -33,13 +33,22 @@ ALIGN = 64  # each parameter starts on a cache line
 MIN_BYTES = 1 << 16  # smaller parameters (norms, biases) are not worth a TLB entry
 
 
+class NotEnoughMemory(MemoryError):
+    """The OS will not map or back the memory asked for (it has too little to give)."""
+
+
 def huge_arena(nbytes: int) -> torch.Tensor:
     """``nbytes`` of zeroed uint8 memory starting on a 2 MB boundary, advised as huge pages.
 
     Private and anonymous: a shared mapping would be shmem, whose huge pages follow another
     switch (``shmem_enabled``, usually ``never``). The tensor keeps the mapping alive."""
     size = nbytes + HUGE_PAGE  # room to start on a 2 MB boundary
-    mm = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    try:
+        mm = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    except OSError as exc:
+        if exc.errno != errno.ENOMEM:
+            raise
+        raise NotEnoughMemory(f"could not map {nbytes >> 20} MB: {exc.strerror}") from exc
     advice = getattr(mmap, "MADV_HUGEPAGE", None)
     if advice is not None:
         mm.madvise(advice)
@@ -58,10 +67,6 @@ def huge_zeros(shape: tuple[int, ...], dtype: torch.dtype, populate: bool = Fals
     return t
 
 
-class PrefaultError(MemoryError):
-    """The memory could not be backed (the OS has too little to give)."""
-
-
 def _madvise_populate(t: torch.Tensor) -> int:
     """``madvise(MADV_POPULATE_WRITE)`` over ``t``'s pages: 0, or the errno."""
     if not sys.platform.startswith("linux"):
@@ -73,6 +78,46 @@ def _madvise_populate(t: torch.Tensor) -> int:
     return 0 if libc.madvise(start, length, MADV_POPULATE_WRITE) == 0 else ctypes.get_errno()
 
 
+CGROUP_LIMITS = ("/sys/fs/cgroup/memory.max",  # cgroup v2 ("max": none)
+                 "/sys/fs/cgroup/memory/memory.limit_in_bytes")  # v1 (~2**63: none)
+
+
+def _read_int(path: str) -> int | None:
+    try:
+        with open(path) as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def available_bytes() -> int | None:
+    """What this process can still be given: the kernel's MemAvailable, capped by the memory
+    cgroup's limit where one is set (None where neither is known). A best effort: it catches
+    a cache larger than the machine or the container, not one that other processes about to
+    start will squeeze out."""
+    known: list[int] = []
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    known.append(int(line.split()[1]) << 10)
+    except (OSError, ValueError, IndexError):
+        pass
+    for path in CGROUP_LIMITS:
+        limit = _read_int(path)
+        if limit is not None and limit < 1 << 60:
+            known.append(limit)
+    return min(known) if known else None
+
+
+def check_available(nbytes: int) -> None:
+    """Raise NotEnoughMemory when ``nbytes`` more cannot be backed: backing them anyway would
+    wake the OOM killer (no message, just a killed process)."""
+    free = available_bytes()
+    if free is not None and nbytes > free:
+        raise NotEnoughMemory(f"could not back {nbytes >> 20} MB: {free >> 20} MB available")
+
+
 def prefault(t: torch.Tensor) -> None:
     """Back every page of ``t`` now (writing nothing), so no step pays a first-touch fault.
 
@@ -82,13 +127,14 @@ def prefault(t: torch.Tensor) -> None:
     (70-85 MB/s, the host's cost; a second thread does not help), so the 16 layer-regions of
     the bench model crossing a 2 MB boundary together stalled one step by ~0.4 s every 4096
     cached tokens. llama.cpp pays the same once, clearing its KV buffer when a context is
-    created. Raises PrefaultError when the kernel refuses: a cache that does not fit fails at
+    created. Raises NotEnoughMemory when the kernel refuses: a cache that does not fit fails at
     start-up, not in the middle of serving."""
     if t.nbytes == 0:
         return
+    check_available(t.nbytes)
     err = _madvise_populate(t)
     if err in (errno.ENOMEM, errno.EFAULT):
-        raise PrefaultError(f"could not back {t.nbytes >> 20} MB: {os.strerror(err)}")
+        raise NotEnoughMemory(f"could not back {t.nbytes >> 20} MB: {os.strerror(err)}")
     if err:  # an older kernel or another OS: one write per small page does the same
         t.view(-1).view(torch.uint8)[::SMALL_PAGE].zero_()
 
