@@ -70,7 +70,7 @@ class KVCache:
         self.prefault = prefault and device.type == "cpu"  # a draft's cache on its pages follows
         slots = cfg.num_pages * cfg.page_size
         if self.prefault:  # all pools at once: refuse before backing any of them
-            check_available(cfg.num_pages * cfg.page_size * cfg.bytes_per_token)
+            check_available(slots * cfg.bytes_per_token)
         # One tensor per entry across layers ([layers, slots, heads, dim]); each layer reads a
         # contiguous view of it, and moving slots is one gather/scatter over every layer.
         # zeros, not empty: the dummy page must hold finite values (0 * NaN would poison SDPA),

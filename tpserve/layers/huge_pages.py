@@ -127,8 +127,9 @@ def prefault(t: torch.Tensor) -> None:
     (70-85 MB/s, the host's cost; a second thread does not help), so the 16 layer-regions of
     the bench model crossing a 2 MB boundary together stalled one step by ~0.4 s every 4096
     cached tokens. llama.cpp pays the same once, clearing its KV buffer when a context is
-    created. Raises NotEnoughMemory when the kernel refuses: a cache that does not fit fails at
-    start-up, not in the middle of serving."""
+    created. Raises NotEnoughMemory when ``t`` is larger than the memory available
+    (``check_available``) or the kernel refuses: a cache that does not fit fails at start-up,
+    not in the middle of serving."""
     if t.nbytes == 0:
         return
     check_available(t.nbytes)
