@@ -35,7 +35,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
 
 
 def completion(url: str, stream: bool) -> tuple[int, dict | None, httpx.Headers]:
-    body = {"model": "m", "prompt": "burst", "max_tokens": 16, "temperature": 0,
+    body = {"model": "tpserve-demo", "prompt": "burst", "max_tokens": 16, "temperature": 0,
             "ignore_eos": True, "stream": stream}
     with httpx.stream("POST", url + "/v1/completions", json=body, timeout=120) as r:
         if r.status_code != 200 or not stream:
@@ -107,7 +107,7 @@ def test_body_over_cap_is_413(server: str) -> None:
 
 def test_disconnect_mid_stream_frees_kv(server: str) -> None:
     cancelled = metric(server, "tpserve_requests_total", outcome="cancelled")
-    body = {"model": "m", "prompt": "long " * 20, "max_tokens": 64, "ignore_eos": True,
+    body = {"model": "tpserve-demo", "prompt": "long " * 20, "max_tokens": 64, "ignore_eos": True,
             "stream": True}
     with httpx.stream("POST", server + "/v1/completions", json=body, timeout=60) as r:
         first = next(line for line in r.iter_lines() if line.startswith("data: "))

@@ -46,7 +46,7 @@ def test_models(client: openai.OpenAI) -> None:
 
 
 def test_completion_matches_native_generate(client: openai.OpenAI, server: str) -> None:
-    r = client.completions.create(model="m", prompt="def fib(n):", max_tokens=8, temperature=0,
+    r = client.completions.create(model="tpserve-demo", prompt="def fib(n):", max_tokens=8, temperature=0,
                                   extra_body=NO_EOS)
     choice = r.choices[0]
     assert choice.finish_reason == "length" and r.object == "text_completion"
@@ -58,7 +58,7 @@ def test_completion_matches_native_generate(client: openai.OpenAI, server: str) 
 
 
 def test_completion_stream_matches(client: openai.OpenAI) -> None:
-    args = {"model": "m", "prompt": ["for i in", "import"], "max_tokens": 10, "temperature": 0,
+    args = {"model": "tpserve-demo", "prompt": ["for i in", "import"], "max_tokens": 10, "temperature": 0,
             "extra_body": NO_EOS}
     whole = client.completions.create(**args)
     texts, reasons, usage = ["", ""], [None, None], None
@@ -75,7 +75,7 @@ def test_completion_stream_matches(client: openai.OpenAI) -> None:
 
 
 def test_n_and_seed(client: openai.OpenAI) -> None:
-    args = {"model": "m", "prompt": "abc", "max_tokens": 8, "temperature": 1.0, "seed": 11,
+    args = {"model": "tpserve-demo", "prompt": "abc", "max_tokens": 8, "temperature": 1.0, "seed": 11,
             "n": 2, "extra_body": NO_EOS}
     a = client.completions.create(**args)
     b = client.completions.create(**args)
@@ -86,7 +86,7 @@ def test_n_and_seed(client: openai.OpenAI) -> None:
 
 def test_chat_stream_and_not(client: openai.OpenAI) -> None:
     messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
-    args = {"model": "m", "messages": messages, "max_tokens": 12, "temperature": 0,
+    args = {"model": "tpserve-demo", "messages": messages, "max_tokens": 12, "temperature": 0,
             "extra_body": NO_EOS}
     whole = client.chat.completions.create(**args)
     assert whole.choices[0].message.role == "assistant"
@@ -103,7 +103,7 @@ def test_chat_stream_and_not(client: openai.OpenAI) -> None:
 
 
 def test_stop_sequence(client: openai.OpenAI) -> None:
-    args = {"model": "m", "prompt": "hello", "max_tokens": 24, "temperature": 0,
+    args = {"model": "tpserve-demo", "prompt": "hello", "max_tokens": 24, "temperature": 0,
             "extra_body": NO_EOS}
     free = client.completions.create(**args).choices[0].text
     stop = free[4:6]
@@ -114,12 +114,12 @@ def test_stop_sequence(client: openai.OpenAI) -> None:
 
 
 def test_logprobs(client: openai.OpenAI) -> None:
-    r = client.completions.create(model="m", prompt="xyz", max_tokens=5, temperature=0,
+    r = client.completions.create(model="tpserve-demo", prompt="xyz", max_tokens=5, temperature=0,
                                   logprobs=3, extra_body=NO_EOS)
     lp = r.choices[0].logprobs
     assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 5
     assert all(len(top) <= 3 and v <= 0 for top, v in zip(lp.top_logprobs, lp.token_logprobs, strict=True))
-    chat = client.chat.completions.create(model="m", messages=[{"role": "user", "content": "q"}],
+    chat = client.chat.completions.create(model="tpserve-demo", messages=[{"role": "user", "content": "q"}],
                                           max_tokens=4, temperature=0, logprobs=True,
                                           top_logprobs=2, extra_body=NO_EOS)
     content = chat.choices[0].logprobs.content
@@ -131,11 +131,47 @@ def test_logprobs(client: openai.OpenAI) -> None:
 
 def test_bad_requests_are_400(client: openai.OpenAI) -> None:
     with pytest.raises(openai.BadRequestError):
-        client.completions.create(model="m", prompt="a", temperature=-1)
+        client.completions.create(model="tpserve-demo", prompt="a", temperature=-1)
     with pytest.raises(openai.BadRequestError):
-        client.completions.create(model="m", prompt="a " * 300)  # over the context length
+        client.completions.create(model="tpserve-demo", prompt="a " * 300)  # over the context length
     with pytest.raises(openai.BadRequestError):
-        client.chat.completions.create(model="m", messages=[])
+        client.chat.completions.create(model="tpserve-demo", messages=[])
+
+
+def test_unknown_model_is_404_and_json_modes_are_refused(client: openai.OpenAI) -> None:
+    with pytest.raises(openai.NotFoundError, match="'gpt-4o' does not exist"):
+        client.completions.create(model="gpt-4o", prompt="a", max_tokens=1)
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="gpt-4o",
+                                       messages=[{"role": "user", "content": "q"}])
+    for kind in ("json_object", "json_schema"):
+        with pytest.raises(openai.BadRequestError, match="constrained"):
+            client.chat.completions.create(model="tpserve-demo", max_tokens=2,
+                                           messages=[{"role": "user", "content": "q"}],
+                                           response_format={"type": kind})
+    text = client.chat.completions.create(model="tpserve-demo", max_tokens=2,
+                                          messages=[{"role": "user", "content": "q"}],
+                                          response_format={"type": "text"})
+    assert text.choices[0].finish_reason in ("length", "stop")
+
+
+def test_logit_bias_bans_and_forces_tokens(client: openai.OpenAI, server: str) -> None:
+    def ids(bias: dict[str, float] | None) -> list[int]:
+        params = {"max_new_tokens": 5, "temperature": 0, "ignore_eos": True,
+                  **({"logit_bias": bias} if bias else {})}
+        return httpx.post(server + "/generate", headers=AUTH, timeout=120, json={
+            "text": "def fib(n):", "sampling_params": params}).json()["output_ids"]
+
+    free = ids(None)
+    assert ids({str(free[0]): -100})[0] != free[0]
+    forced = ids({"300": 100})
+    assert forced == [300] * 5
+    r = client.completions.create(model="tpserve-demo", prompt="def fib(n):", max_tokens=5,
+                                  temperature=0, logit_bias={"300": 100}, extra_body=NO_EOS)
+    tok = Tokenizer.from_file(str(demo_target() / "tokenizer.json"))
+    assert r.choices[0].text == tok.decode(forced)
+    with pytest.raises(openai.BadRequestError, match="logit_bias"):
+        client.completions.create(model="tpserve-demo", prompt="a", logit_bias={"300": 101})
 
 
 def test_auth(server: str) -> None:
@@ -161,7 +197,7 @@ def scrape(server: str) -> dict[tuple[str, frozenset], float]:
 
 def test_metrics_move_by_the_right_amounts(server: str, client: openai.OpenAI) -> None:
     before = scrape(server)
-    client.completions.create(model="m", prompt="abcd", max_tokens=6, temperature=0,
+    client.completions.create(model="tpserve-demo", prompt="abcd", max_tokens=6, temperature=0,
                               extra_body=NO_EOS)
     after = scrape(server)
 

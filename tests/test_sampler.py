@@ -238,6 +238,33 @@ def test_frequency_and_presence_ignore_prompt_tokens() -> None:
     torch.testing.assert_close(out[0], torch.tensor([0.0, -0.5, -1.5, 0.0]))
 
 
+def test_logit_bias_is_added_after_the_penalties() -> None:
+    logits = torch.tensor([[2.0, -1.0, 0.5, 3.0]])
+    params = [SamplingParams.from_dict({"presence_penalty": 1.0,
+                                        "logit_bias": {"3": -2.5, "0": 100}})]
+    assert params[0].logit_bias == ((0, 100.0), (3, -2.5)) and params[0].uses_penalties
+    out = apply_penalties(logits, params, [[1]], [[3]])
+    torch.testing.assert_close(out[0], torch.tensor([102.0, -1.0, 0.5, -0.5]))
+    # -100 bans a token under greedy decoding, +100 forces one
+    for bias, token in (({"3": -100}, 0), ({"1": 100}, 1)):
+        biased = apply_penalties(logits, [SamplingParams.from_dict({"logit_bias": bias})],
+                                 [[0]], [[]])
+        assert sample(biased, [SamplingParams(temperature=0.0)],
+                      [torch.Generator()]).tokens.tolist() == [token]
+
+
+def test_logit_bias_parsing() -> None:
+    assert SamplingParams.from_dict({"logit_bias": None}).logit_bias == ()
+    assert SamplingParams.from_dict({"logit_bias": {5: 1, "2": -0.5}}).logit_bias == (
+        (2, -0.5), (5, 1.0))
+    with pytest.raises(ValueError, match="appears twice"):
+        SamplingParams.from_dict({"logit_bias": {"7": 1.0, 7: 2.0}})
+    with pytest.raises(ValueError, match="finite"):
+        SamplingParams.from_dict({"logit_bias": {"7": 10**400}})
+    with pytest.raises(ValueError, match="at most 1024"):
+        SamplingParams.from_dict({"logit_bias": {str(i): 1.0 for i in range(1025)}})
+
+
 def test_penalties_fast_path_returns_input() -> None:
     logits = torch.randn(2, 10)
     params = [SamplingParams(), SamplingParams(temperature=0.3)]
@@ -289,6 +316,10 @@ def test_from_dict_rejects_unknown_key() -> None:
         ("ignore_eos", 1),
         ("seed", 1.5),
         ("max_new_tokens", 2.0),
+        ("logit_bias", [[1, 2.0]]),
+        ("logit_bias", {"one": 2.0}),
+        ("logit_bias", {"1.5": 2.0}),
+        ("logit_bias", {"1": "2"}),
     ],
 )
 def test_from_dict_rejects_wrong_types(key: str, value: object) -> None:
@@ -328,6 +359,10 @@ def test_from_dict_rejects_wrong_types(key: str, value: object) -> None:
         ("stop", ("x",) * 65),
         ("stop", ("x" * 257,)),
         ("stop_token_ids", (1,) * 257),
+        ("logit_bias", ((100, 1.0),)),
+        ("logit_bias", ((-1, 1.0),)),
+        ("logit_bias", ((3, 100.5),)),
+        ("logit_bias", ((3, -101.0),)),
     ],
 )
 def test_validate_names_the_parameter(field: str, value: object) -> None:

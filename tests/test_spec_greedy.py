@@ -30,8 +30,12 @@ def ckpts(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, Path]:
 
 def prompts_and_params() -> tuple[list[list[int]], list[SamplingParams]]:
     prompts = [[1] + [(7 * i + 3 * j) % 31 + 1 for j in range(2 + 3 * i)] for i in range(8)]
+    # Request 5 biases two tokens: its verify rows go through the per-node penalties, not
+    # the raw argmax, and must still give what plain decoding gives.
     params = [SamplingParams(max_new_tokens=6 + 5 * (i % 4), temperature=0.0, ignore_eos=i % 2 == 0,
-                             stop=("w7 w7",) if i == 3 else ()) for i in range(8)]
+                             stop=("w7 w7",) if i == 3 else (),
+                             logit_bias=((7, 3.0), (11, -2.0)) if i == 5 else ())
+              for i in range(8)]
     return prompts, params
 
 

@@ -50,12 +50,14 @@ def apply_penalties(
     prompt_ids: Sequence[Tensor | Sequence[int]],
     output_ids: Sequence[Sequence[int]],
 ) -> Tensor:
-    """Apply repetition, frequency and presence penalties; returns a new tensor when any apply.
+    """Apply repetition, frequency and presence penalties, then the logit bias; returns a new
+    tensor when any apply.
 
     Repetition (HF style) looks at prompt + output tokens: positive logits are divided by the
     penalty, negative ones multiplied. Frequency (penalty * count) and presence (penalty once)
     look at output tokens only, as in OpenAI/SGLang. Repetition is applied first, like vLLM.
-    The input tensor is never modified.
+    ``logit_bias`` is added last, to the penalised logits (what OpenAI describes: the bias
+    goes onto the logits the model would sample from). The input tensor is never modified.
     """
     rows = [i for i, p in enumerate(params) if p.uses_penalties]
     if not rows:
@@ -74,6 +76,10 @@ def apply_penalties(
         if generated.numel() and (p.frequency_penalty != 0.0 or p.presence_penalty != 0.0):
             ids, counts = generated.unique(return_counts=True)
             row[ids] -= p.frequency_penalty * counts.to(row.dtype) + p.presence_penalty
+        if p.logit_bias:
+            ids, biases = zip(*p.logit_bias, strict=True)
+            row[_as_long(ids, out.device)] += torch.tensor(biases, dtype=row.dtype,
+                                                           device=out.device)
     return out
 
 

@@ -22,6 +22,9 @@ MAX_TOP_LOGPROBS = 20
 MAX_STOP_STRINGS = 64
 MAX_STOP_STRING_CHARS = 256
 MAX_STOP_TOKEN_IDS = 256
+# OpenAI's range for a logit bias; the entry cap is policy (each costs a scatter per step).
+LOGIT_BIAS_RANGE = (-100.0, 100.0)
+MAX_LOGIT_BIAS = 1024
 # Temperatures below this sample as greedy (vLLM's threshold too): logits / 1e-40 overflows
 # float32 to inf, and the softmax of that is NaN, which no sampler can draw from.
 GREEDY_TEMPERATURE = 1e-5
@@ -55,6 +58,9 @@ class SamplingParams:
     skip_special_tokens: bool = True
     min_new_tokens: int = 0
     logprobs: int = 0  # number of top logprobs returned per token; 0 = none
+    # (token id, bias) added to the logits before sampling (OpenAI's / SGLang's logit_bias),
+    # sorted by id: -100 bans a token, +100 all but forces it.
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
     @property
     def greedy(self) -> bool:
@@ -64,11 +70,13 @@ class SamplingParams:
 
     @property
     def uses_penalties(self) -> bool:
-        """True when any logit penalty is active, so the sampler can skip penalty work."""
+        """True when any logit penalty or bias is active, so the sampler can skip that work
+        (and speculative acceptance knows it cannot read the raw argmax)."""
         return (
             self.repetition_penalty != 1.0
             or self.frequency_penalty != 0.0
             or self.presence_penalty != 0.0
+            or bool(self.logit_bias)
         )
 
     @cached_property
@@ -121,6 +129,10 @@ class SamplingParams:
         for tok in self.stop_token_ids:
             _check(0 <= tok < vocab_size, "stop_token_ids",
                    f"token id {_short(tok)} is outside the vocabulary [0, {vocab_size})")
+        for tok, bias in self.logit_bias:
+            _check(0 <= tok < vocab_size, "logit_bias",
+                   f"token id {_short(tok)} is outside the vocabulary [0, {vocab_size})")
+            _in_range("logit_bias", bias, *LOGIT_BIAS_RANGE)
 
 
 def _in_range(name: str, value: float, lo: float, hi: float) -> None:
@@ -170,16 +182,7 @@ def _coerce(key: str, value: Any) -> Any:
             raise _type_error(key, "an integer", value)
         return value
     if key in _FLOAT_FIELDS:
-        if not (_is_int(value) or isinstance(value, float)):
-            raise _type_error(key, "a number", value)
-        try:
-            number = float(value)  # a JSON integer may have 400 digits: float() overflows
-        except OverflowError:
-            number = math.inf
-        if not math.isfinite(number):
-            raise ValueError(f"invalid sampling parameter '{key}': must be a finite number, "
-                             f"got {_short(value)}")
-        return number
+        return _finite_number(key, value)
     if key in _BOOL_FIELDS:
         if not isinstance(value, bool):
             raise _type_error(key, "a boolean", value)
@@ -192,6 +195,8 @@ def _coerce(key: str, value: Any) -> Any:
         return _coerce_stop(value)
     if key == "stop_token_ids":
         return _coerce_stop_token_ids(value)
+    if key == "logit_bias":
+        return _coerce_logit_bias(value)
     raise AssertionError(f"field '{key}' has no coercion rule")  # new field added without a rule
 
 
@@ -223,3 +228,40 @@ def _coerce_stop_token_ids(value: Any) -> tuple[int, ...]:
     if not all(_is_int(t) for t in value):
         raise _type_error("stop_token_ids", "a list of integers", value)
     return tuple(value)
+
+
+def _coerce_logit_bias(value: Any) -> tuple[tuple[int, float], ...]:
+    """OpenAI's map of token id (a JSON object's keys are strings) to bias, as sorted pairs."""
+    if value is None:
+        return ()
+    if not isinstance(value, Mapping):
+        raise _type_error("logit_bias", "an object mapping token ids to numbers", value)
+    if len(value) > MAX_LOGIT_BIAS:  # before looking at the entries: the map may be huge
+        raise ValueError(f"invalid sampling parameter 'logit_bias': at most {MAX_LOGIT_BIAS} "
+                         f"entries, got {len(value)}")
+    pairs: dict[int, float] = {}
+    for key, bias in value.items():
+        if _is_int(key):
+            tok = key
+        elif isinstance(key, str) and key.isascii() and key.lstrip("-").isdigit():
+            tok = int(key)
+        else:
+            raise _type_error("logit_bias", "keyed by token ids", key)
+        if tok in pairs:
+            raise ValueError(f"invalid sampling parameter 'logit_bias': token id {tok} appears "
+                             "twice")
+        pairs[tok] = _finite_number("logit_bias", bias)
+    return tuple(sorted(pairs.items()))
+
+
+def _finite_number(key: str, value: Any) -> float:
+    if not (_is_int(value) or isinstance(value, float)):
+        raise _type_error(key, "a number", value)
+    try:
+        number = float(value)  # a JSON integer may have 400 digits: float() overflows
+    except OverflowError:
+        number = math.inf
+    if not math.isfinite(number):
+        raise ValueError(f"invalid sampling parameter '{key}': must be a finite number, "
+                         f"got {_short(value)}")
+    return number

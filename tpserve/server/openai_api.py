@@ -19,6 +19,7 @@ from fastapi.responses import Response
 from tpserve.chat_template import ChatTemplate
 from tpserve.engine.sampling_params import MAX_STOP_STRINGS
 from tpserve.server.body import check_list, check_prompt_lists, parse_body
+from tpserve.server.client_errors import ModelNotFound
 from tpserve.server.engine_client import BadRequest, EngineClient, EngineUnavailable, Overloaded
 from tpserve.server.http import CLIENT_GONE, error
 from tpserve.server.openai_chat import template_inputs
@@ -67,16 +68,32 @@ def sampling_dict(req: SamplingFields, max_tokens: int, top_logprobs: int) -> di
     out: dict[str, Any] = {"max_new_tokens": max_tokens, "n": req.n, "ignore_eos": req.ignore_eos,
                            "min_new_tokens": req.min_tokens, "logprobs": top_logprobs}
     for name in ("temperature", "top_p", "seed", "presence_penalty", "frequency_penalty",
-                 "top_k", "min_p", "repetition_penalty", "stop"):
+                 "top_k", "min_p", "repetition_penalty", "stop", "logit_bias"):
         value = getattr(req, name)
         if value is not None:
             out[name] = value
     return out
 
 
+def check_request(req: SamplingFields, served: frozenset[str]) -> None:
+    """What the sampling parameters cannot say: the model named is one this server serves
+    (``served``: its id and the ``--model`` it was given; none named is fine), and the output
+    format is plain text (a JSON mode silently ignored would hand the client text it cannot
+    parse)."""
+    if req.model is not None and req.model not in served:
+        raise ModelNotFound(f"the model '{req.model[:200]}' does not exist on this server; it "
+                            f"serves {', '.join(sorted(repr(n) for n in served))} (/v1/models)")
+    kind = (req.response_format or {}).get("type", "text")
+    if kind != "text":
+        raise BadRequest(f"response_format type {str(kind)[:100]!r} is not supported: tpserve "
+                         "has no constrained (JSON / grammar) decoding; only 'text'")
+
+
 class OpenAIFrontend:
-    def __init__(self, client: EngineClient, template: ChatTemplate, model_name: str) -> None:
+    def __init__(self, client: EngineClient, template: ChatTemplate, model_name: str,
+                 served: frozenset[str] = frozenset()) -> None:
         self.client, self.template, self.model_name = client, template, model_name
+        self.served = served | {model_name}
 
     def _reply(self, chat: bool, want_logprobs: bool) -> Reply:
         prefix = "chatcmpl-" if chat else "cmpl-"
@@ -101,6 +118,7 @@ class OpenAIFrontend:
         return items
 
     async def prepare_completion(self, req: CompletionRequest) -> Prepared:
+        check_request(req, self.served)
         if req.echo:
             raise BadRequest("echo is not supported")
         prompts = await self._prompts(req.prompt)
@@ -134,6 +152,7 @@ class OpenAIFrontend:
         return self.client.tokenize(self.chat_text(req), self.template.tokenize_with_special_tokens)
 
     async def prepare_chat(self, req: ChatCompletionRequest) -> Prepared:
+        check_request(req, self.served)
         encoder = self.client.encoder
         size = sum(len(m.content) if isinstance(m.content, str) else
                    sum(len(part.text) for part in m.content or ()) for m in req.messages)
@@ -203,6 +222,8 @@ async def _handle(raw: Request, state: ServerState, model: type[Any],
         if problem:
             return error(503, problem, {"Retry-After": "1"})
         return await respond(await prepare(body), raw)
+    except ModelNotFound as exc:
+        return error(404, str(exc))
     except (BadRequest, ValueError) as exc:  # ValueError: the chat template's raise_exception
         return error(400, str(exc)[:1000])
     except (Overloaded, EngineUnavailable) as exc:
@@ -211,9 +232,12 @@ async def _handle(raw: Request, state: ServerState, model: type[Any],
 
 def register_openai(app: FastAPI, state: ServerState, template: ChatTemplate,
                     model_name: str) -> None:
-    front = OpenAIFrontend(state.client, template, model_name)
+    given = state.args.model  # the --model as typed (a path or a repo id) names it too
+    front = OpenAIFrontend(state.client, template, model_name,
+                           frozenset({given} if given else ()))
     errors: dict[int | str, dict[str, Any]] = {
-        400: {"model": ErrorResponse}, 503: {"model": ErrorResponse}}
+        400: {"model": ErrorResponse}, 404: {"model": ErrorResponse},
+        503: {"model": ErrorResponse}}
 
     @app.post("/v1/completions", response_model=CompletionResponse,
               responses={**errors, 200: {"content": SSE_DOC}},

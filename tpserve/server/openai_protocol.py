@@ -23,7 +23,8 @@ class SamplingFields(BaseModel):
 
     model_config = ConfigDict(extra="ignore")
 
-    model: str | None = Field(None, description="ignored: the server serves one model")
+    model: str | None = Field(None, description="the served model's id (/v1/models); another "
+                                                "gets 404")
     temperature: float | None = Field(None, ge=0, le=2, description="0 = greedy; default 1")
     top_p: float | None = Field(None, gt=0, le=1)
     n: int = Field(1, ge=1, le=16, description="choices per prompt")
@@ -36,6 +37,11 @@ class SamplingFields(BaseModel):
     presence_penalty: float | None = Field(None, ge=-2, le=2)
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
     user: str | None = None
+    logit_bias: dict[str, float] | None = Field(
+        None, description="token id -> bias in [-100, 100] added to its logit")
+    response_format: dict[str, Any] | None = Field(
+        None, description="only {\"type\": \"text\"}: JSON modes need constrained decoding, "
+                          "which tpserve does not do (refused, not ignored)")
     # tpserve extensions (SGLang/vLLM names), e.g. via the openai client's extra_body
     top_k: int | None = Field(None, ge=-1, description="-1 disables")
     min_p: float | None = Field(None, ge=0, le=1)
