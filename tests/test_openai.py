@@ -138,7 +138,7 @@ def test_bad_requests_are_400(client: openai.OpenAI) -> None:
         client.chat.completions.create(model="tpserve-demo", messages=[])
 
 
-def test_unknown_model_is_404_and_json_modes_are_refused(client: openai.OpenAI) -> None:
+def test_unknown_model_is_404_and_unsupported_modes_are_refused(client: openai.OpenAI) -> None:
     with pytest.raises(openai.NotFoundError, match="'gpt-4o' does not exist"):
         client.completions.create(model="gpt-4o", prompt="a", max_tokens=1)
     with pytest.raises(openai.NotFoundError):
@@ -149,6 +149,9 @@ def test_unknown_model_is_404_and_json_modes_are_refused(client: openai.OpenAI) 
             client.chat.completions.create(model="tpserve-demo", max_tokens=2,
                                            messages=[{"role": "user", "content": "q"}],
                                            response_format={"type": kind})
+    for extra in ({"suffix": "x"}, {"best_of": 3}):
+        with pytest.raises(openai.BadRequestError, match="not supported"):
+            client.completions.create(model="tpserve-demo", prompt="a", max_tokens=1, **extra)
     text = client.chat.completions.create(model="tpserve-demo", max_tokens=2,
                                           messages=[{"role": "user", "content": "q"}],
                                           response_format={"type": "text"})

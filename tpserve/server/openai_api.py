@@ -121,6 +121,10 @@ class OpenAIFrontend:
         check_request(req, self.served)
         if req.echo:
             raise BadRequest("echo is not supported")
+        if req.suffix:
+            raise BadRequest("suffix is not supported (no insertion mode)")
+        if req.best_of is not None and req.best_of != req.n:
+            raise BadRequest("best_of is not supported: ask for n choices and pick")
         prompts = await self._prompts(req.prompt)
         reply = self._reply(False, req.logprobs is not None)
         # OpenAI's default of 16 applies only when neither the request nor the model sets one.

@@ -56,6 +56,8 @@ class CompletionRequest(SamplingFields):
     max_tokens: int | None = Field(16, ge=0, description="default 16")
     logprobs: int | None = Field(None, ge=0, le=20, description="top logprobs per token")
     echo: bool = Field(False, description="not supported: must be false")
+    suffix: str | None = Field(None, description="not supported: must be empty")
+    best_of: int | None = Field(None, ge=1, description="not supported beyond n")
 
 
 class TextPart(BaseModel):
