@@ -76,7 +76,7 @@ def test_template_inputs_conversions() -> None:
     assert messages[3] == {"role": "tool", "content": "12°C, Regen", "tool_call_id": "call_1"}
     none = req.model_copy(update={"tool_choice": "none"})
     assert template_inputs(none)[1] is None
-    with pytest.raises(BadRequest, match="does not parse tool calls"):
+    with pytest.raises(BadRequest, match="cannot force a call"):
         template_inputs(req.model_copy(update={"tool_choice": "required"}))
     raw = ChatCompletionRequest.model_validate({"messages": [{
         "role": "assistant", "tool_calls": [{"id": "c", "type": "function", "function": {

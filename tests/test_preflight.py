@@ -17,12 +17,19 @@ import pytest
 import torch
 
 from tests.checkpoints import make_checkpoint
+from tpserve.args import ServerArgs
 from tpserve.demo import demo_target
 from tpserve.errors import ConfigError
 from tpserve.layers.tp import NoComm, TPContext
 from tpserve.models.config import SUPPORTED_ARCHITECTURES, load_config, parse_config
 from tpserve.models.llama import LlamaForCausalLM
-from tpserve.preflight import check_before_loading, check_tp_split, tp_problems, working_tp_sizes
+from tpserve.preflight import (
+    check_before_loading,
+    check_server_args,
+    check_tp_split,
+    tp_problems,
+    working_tp_sizes,
+)
 
 SHAPES = [  # (heads, kv heads, intermediate): SmolLM2-135M's 9/3/1536 among them
     (9, 3, 1536), (8, 8, 96), (8, 2, 96), (12, 4, 100), (6, 1, 60), (4, 4, 30),
@@ -111,6 +118,9 @@ def test_bad_flags_refused_before_loading(tmp_path: Path) -> None:
         check_before_loading(cfg, 1, demo, demo, chat_template="x")
     with pytest.raises(ConfigError, match="missing generation_config.json"):
         check_before_loading(cfg, 1, demo, demo, generation_config=str(tmp_path))
+    with pytest.raises(ConfigError, match="unknown --tool-call-parser 'qwen'"):
+        check_server_args(ServerArgs(tool_call_parser="qwen"), 1)
+    check_server_args(ServerArgs(tool_call_parser="hermes"), 1)
 
 
 def _run_rank(args: list[str], tmp_path: Path, world: int) -> subprocess.CompletedProcess:

@@ -53,6 +53,7 @@ class ServerArgs:
     compile_mode: str = "default"
     served_model_name: str | None = None  # None: the demo's name, else the model directory's
     chat_template: str | None = None  # FILE, a named template, or inline Jinja
+    tool_call_parser: str | None = None  # hermes | llama3_json: tool calls read from chat output
     generation_config: str = "auto"  # auto | ignore | DIR
     attention_backend: str = "auto"  # tpserve.layers.attention.registry.NAMES
     admin_api_key: str | None = None  # default: --api-key
@@ -124,6 +125,9 @@ FLAG_HELP = {
                          "(default: the model directory's name; tpserve-demo for the demo)",
     "chat_template": "chat template: a Jinja FILE, the name of one of the model's named "
                      "templates, or inline Jinja (default: the model's own)",
+    "tool_call_parser": "read tool calls out of chat replies to requests with tools (as "
+                        "vLLM's parsers of these names): hermes (Hermes, Qwen 2.5/3), "
+                        "llama3_json (Llama 3.1/3.2); default: calls stay plain text",
     "generation_config": "sampling defaults: auto (the model's generation_config.json), "
                          "ignore, or a DIR holding a generation_config.json",
     "attention_backend": "attention over the paged KV cache: auto (cpu on CPU where the native "

@@ -45,6 +45,7 @@ from tpserve.server.streams import (
     sse,
     unless_disconnected,
 )
+from tpserve.server.tool_parsers import ToolStream, make_parser
 
 OPENAI_BODIES = (CompletionRequest, ChatCompletionRequest)
 SSE_DOC = {"text/event-stream": {"schema": {"type": "string"},
@@ -91,14 +92,18 @@ def check_request(req: SamplingFields, served: frozenset[str]) -> None:
 
 class OpenAIFrontend:
     def __init__(self, client: EngineClient, template: ChatTemplate, model_name: str,
-                 served: frozenset[str] = frozenset()) -> None:
+                 served: frozenset[str] = frozenset(), tool_parser: str | None = None) -> None:
         self.client, self.template, self.model_name = client, template, model_name
         self.served = served | {model_name}
+        self.tool_parser = tool_parser
 
-    def _reply(self, chat: bool, want_logprobs: bool) -> Reply:
+    def _reply(self, chat: bool, want_logprobs: bool, tools: bool = False) -> Reply:
+        """``tools``: the request offered tools, so the reply's calls are parsed (with a
+        ``--tool-call-parser``)."""
         prefix = "chatcmpl-" if chat else "cmpl-"
+        parser = make_parser(self.tool_parser) if tools and self.tool_parser else None
         return Reply(prefix + uuid.uuid4().hex, int(time.time()), self.model_name, chat,
-                     self.client.tokenizer, want_logprobs)
+                     self.client.tokenizer, want_logprobs, parser)
 
     def _items(self, prompts: list[list[int]], req: SamplingFields, max_tokens: int | None,
                top_logprobs: int, route_default: int | None, label: str) -> list[Item]:
@@ -165,7 +170,7 @@ class OpenAIFrontend:
         ids = await encoder.encode(text, self.template.tokenize_with_special_tokens)
         max_tokens = req.max_completion_tokens if req.max_tokens is None else req.max_tokens
         top = (req.top_logprobs or 0) if req.logprobs else 0
-        reply = self._reply(True, req.logprobs)
+        reply = self._reply(True, req.logprobs, template_inputs(req)[1] is not None)
         items = self._items([ids], req, max_tokens, top, None, reply.id)
         return Prepared(items, [len(ids)], reply, req.stream,
                         bool(req.stream_options and req.stream_options.include_usage))
@@ -188,6 +193,8 @@ class OpenAIFrontend:
             yield sse(reply.role_chunk(len(prep.items)))
         seen = [0] * len(prep.items)  # logprob entries already sent, per choice
         finals: dict[int, Any] = {}
+        parser = reply.tool_parser
+        tools = [ToolStream(parser) for _ in prep.items] if parser is not None else None
         try:
             async for index, out in merged(self.client, prep.items):
                 new_lps, seen[index] = out.logprobs[seen[index]:], len(out.logprobs)
@@ -195,7 +202,13 @@ class OpenAIFrontend:
                     finals[index] = out
                 elif not out.new_text and not (reply.want_logprobs and new_lps):
                     continue  # tokens whose text is held back (partial UTF-8, stop prefix)
-                yield sse({**reply.header(True), "choices": [reply.delta(index, out, new_lps)]})
+                if tools is None:
+                    choice = reply.delta(index, out, new_lps)
+                else:
+                    choice = reply.tool_delta(index, out, new_lps, tools[index])
+                    if not (choice["delta"] or out.finished or reply.want_logprobs):
+                        continue  # text that may still become a call is held back
+                yield sse({**reply.header(True), "choices": [choice]})
         except (BadRequest, EngineUnavailable, RuntimeError) as exc:
             yield sse({"error": {"message": str(exc), "type": "server_error", "code": 500}})
         if prep.include_usage:
@@ -238,7 +251,7 @@ def register_openai(app: FastAPI, state: ServerState, template: ChatTemplate,
                     model_name: str) -> None:
     given = state.args.model  # the --model as typed (a path or a repo id) names it too
     front = OpenAIFrontend(state.client, template, model_name,
-                           frozenset({given} if given else ()))
+                           frozenset({given} if given else ()), state.args.tool_call_parser)
     errors: dict[int | str, dict[str, Any]] = {
         400: {"model": ErrorResponse}, 404: {"model": ErrorResponse},
         503: {"model": ErrorResponse}}

@@ -4,8 +4,8 @@ Messages keep OpenAI's shape with three conversions transformers-style templates
 ``developer`` becomes ``system``; content given as an array of text parts becomes one string;
 and a tool call's ``function.arguments``, a JSON string in OpenAI's API, becomes the object it
 encodes (templates such as Qwen's and Llama 3.1's ``tojson`` it). ``tools`` pass through as
-given, unless ``tool_choice`` is ``"none"``. Tool calls in the model's *output* are not parsed:
-they come back as plain assistant text.
+given, unless ``tool_choice`` is ``"none"``. Tool calls in the model's *output* are read by the
+``--tool-call-parser`` (``tool_parsers.py``); without one they come back as assistant text.
 """
 
 from __future__ import annotations
@@ -55,7 +55,6 @@ def template_inputs(req: ChatCompletionRequest) -> tuple[list[dict[str, Any]],
     choice = req.tool_choice
     if choice not in (None, "auto", "none"):
         raise BadRequest("tool_choice 'required' or a named function is not supported: tpserve "
-                         "passes tools to the chat template but does not parse tool calls "
-                         "from the output (use 'auto' or 'none')")
+                         "cannot force a call (no constrained decoding); use 'auto' or 'none'")
     tools = None if choice == "none" or not req.tools else [dict(t) for t in req.tools]
     return [template_message(m) for m in req.messages], tools

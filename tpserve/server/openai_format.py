@@ -8,6 +8,7 @@ from typing import Any
 from tokenizers import Tokenizer
 
 from tpserve.engine.request import RequestOutput
+from tpserve.server.tool_parsers import ToolParser, ToolStream
 
 LogprobEntry = tuple[int, float, list[tuple[int, float]] | None]
 
@@ -29,6 +30,8 @@ class Reply:
     chat: bool
     tokenizer: Tokenizer
     want_logprobs: bool
+    # --tool-call-parser's, for a chat request that offered tools (None: replies are text)
+    tool_parser: ToolParser | None = None
 
     def header(self, chunk: bool) -> dict[str, Any]:
         kind = ("chat.completion.chunk" if chunk else "chat.completion") if self.chat else "text_completion"
@@ -66,8 +69,25 @@ class Reply:
         body: dict[str, Any] = {"index": index, "logprobs": lps, "finish_reason": finish_reason(out)}
         if self.chat:
             body["message"] = {"role": "assistant", "content": out.text}
+            if self.tool_parser is not None:
+                content, calls = self.tool_parser.parse(out.text)
+                if calls:
+                    body["message"] = {"role": "assistant", "content": content.strip() or None,
+                                       "tool_calls": calls}
+                    body["finish_reason"] = tool_finish(body["finish_reason"])
         else:
             body["text"] = out.text
+        return body
+
+    def tool_delta(self, index: int, out: RequestOutput, new_logprobs: list[LogprobEntry],
+                   stream: ToolStream) -> dict[str, Any]:
+        """``delta`` for a chat stream whose tool calls are parsed: content up to where a call
+        may start, and each call whole once its text is complete."""
+        body: dict[str, Any] = {"index": index, "logprobs": self.logprobs(new_logprobs),
+                                "finish_reason": finish_reason(out),
+                                "delta": stream.feed(out.text, out.finished)}
+        if stream.calls:
+            body["finish_reason"] = tool_finish(body["finish_reason"])
         return body
 
     def delta(self, index: int, out: RequestOutput, new_logprobs: list[LogprobEntry]) -> dict[str, Any]:
@@ -85,6 +105,12 @@ class Reply:
         choices = [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                     "finish_reason": None} for i in range(count)]
         return {**self.header(True), "choices": choices}
+
+
+def tool_finish(reason: str | None) -> str | None:
+    """A reply that ended by itself after calling tools ends with ``tool_calls`` (OpenAI's
+    reason); one cut by the length limit says so."""
+    return "tool_calls" if reason == "stop" else reason
 
 
 def usage(prompt_lens: list[int], outs: list[RequestOutput]) -> dict[str, Any]:

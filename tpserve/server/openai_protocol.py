@@ -95,7 +95,8 @@ class ChatCompletionRequest(SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
     tools: list[dict[str, Any]] | None = Field(
-        None, description="passed to the chat template; tool calls in the output are not parsed")
+        None, description="passed to the chat template; calls in the reply are parsed with "
+                          "--tool-call-parser (else they stay text)")
     tool_choice: str | dict[str, Any] | None = Field(None, description="auto | none")
 
 
