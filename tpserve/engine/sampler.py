@@ -77,9 +77,8 @@ def apply_penalties(
             ids, counts = generated.unique(return_counts=True)
             row[ids] -= p.frequency_penalty * counts.to(row.dtype) + p.presence_penalty
         if p.logit_bias:
-            ids, biases = zip(*p.logit_bias, strict=True)
-            row[_as_long(ids, out.device)] += torch.tensor(biases, dtype=row.dtype,
-                                                           device=out.device)
+            ids, biases = p.logit_bias_tensors
+            row[ids.to(out.device)] += biases.to(device=out.device, dtype=row.dtype)
     return out
 
 

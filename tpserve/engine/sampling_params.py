@@ -13,6 +13,8 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import Any
 
+import torch
+
 # Upper bounds that are policy, not physics: they keep one request from monopolising the server.
 MAX_N = 16
 MAX_TOP_LOGPROBS = 20
@@ -78,6 +80,13 @@ class SamplingParams:
             or self.presence_penalty != 0.0
             or bool(self.logit_bias)
         )
+
+    @cached_property
+    def logit_bias_tensors(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``logit_bias`` as (ids int64, biases float32) CPU tensors, built once: the sampler
+        adds them every step, and speculative acceptance once per tree node."""
+        ids, biases = zip(*self.logit_bias, strict=True) if self.logit_bias else ((), ())
+        return (torch.tensor(ids, dtype=torch.long), torch.tensor(biases, dtype=torch.float32))
 
     @cached_property
     def stop_token_set(self) -> frozenset[int]:
