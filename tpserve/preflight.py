@@ -21,7 +21,7 @@ from tpserve.models.config import (
     ModelConfig,
     load_config,
 )
-from tpserve.server.tool_parsers import PARSERS
+from tpserve.server.tool_parsers import make_parser
 
 TP_FLAG = "--nproc-per-node"
 # Largest TP size listed as an alternative in a refusal (one host's worth of devices).
@@ -31,9 +31,11 @@ MAX_LISTED_TP = 64
 def check_server_args(args: ServerArgs, tp_size: int) -> None:
     """The server's checks: ``args`` as resolved by ``model_path.resolve_args``."""
     model_dir = Path(args.model) if args.model else demo_target()
-    if args.tool_call_parser is not None and args.tool_call_parser not in PARSERS:
-        raise ConfigError(f"unknown --tool-call-parser '{args.tool_call_parser}' (known: "
-                          f"{', '.join(sorted(PARSERS))})", flag="--tool-call-parser")
+    if args.tool_call_parser is not None:
+        try:
+            make_parser(args.tool_call_parser)
+        except ValueError as exc:
+            raise ConfigError(str(exc), flag="--tool-call-parser") from None
     check_before_loading(load_config(model_dir), tp_size, model_dir,
                          Path(args.tokenizer) if args.tokenizer else model_dir,
                          args.chat_template, args.generation_config)

@@ -22,7 +22,7 @@ from tpserve.server.body import check_list, check_prompt_lists, parse_body
 from tpserve.server.client_errors import ModelNotFound
 from tpserve.server.engine_client import BadRequest, EngineClient, EngineUnavailable, Overloaded
 from tpserve.server.http import CLIENT_GONE, error
-from tpserve.server.openai_chat import template_inputs
+from tpserve.server.openai_chat import offers_tools, template_inputs
 from tpserve.server.openai_format import Reply, usage
 from tpserve.server.openai_protocol import (
     ChatCompletionRequest,
@@ -170,7 +170,7 @@ class OpenAIFrontend:
         ids = await encoder.encode(text, self.template.tokenize_with_special_tokens)
         max_tokens = req.max_completion_tokens if req.max_tokens is None else req.max_tokens
         top = (req.top_logprobs or 0) if req.logprobs else 0
-        reply = self._reply(True, req.logprobs, template_inputs(req)[1] is not None)
+        reply = self._reply(True, req.logprobs, offers_tools(req))
         items = self._items([ids], req, max_tokens, top, None, reply.id)
         return Prepared(items, [len(ids)], reply, req.stream,
                         bool(req.stream_options and req.stream_options.include_usage))

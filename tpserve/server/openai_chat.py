@@ -49,12 +49,16 @@ def template_message(m: ChatMessage) -> dict[str, Any]:
     return out
 
 
+def offers_tools(req: ChatCompletionRequest) -> bool:
+    """The request hands the model tools (the template sees them; a reply may call them)."""
+    return bool(req.tools) and req.tool_choice != "none"
+
+
 def template_inputs(req: ChatCompletionRequest) -> tuple[list[dict[str, Any]],
                                                          list[dict[str, Any]] | None]:
     """(messages, tools) for ``ChatTemplate.render``; BadRequest for what cannot be honoured."""
-    choice = req.tool_choice
-    if choice not in (None, "auto", "none"):
+    if req.tool_choice not in (None, "auto", "none"):
         raise BadRequest("tool_choice 'required' or a named function is not supported: tpserve "
                          "cannot force a call (no constrained decoding); use 'auto' or 'none'")
-    tools = None if choice == "none" or not req.tools else [dict(t) for t in req.tools]
+    tools = [dict(t) for t in req.tools or ()] if offers_tools(req) else None
     return [template_message(m) for m in req.messages], tools

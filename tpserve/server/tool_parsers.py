@@ -123,7 +123,7 @@ def make_parser(name: str) -> ToolParser:
     try:
         return PARSERS[name]()
     except KeyError:
-        raise ValueError(f"unknown tool call parser '{name}' (known: "
+        raise ValueError(f"unknown --tool-call-parser '{name}' (known: "
                          f"{', '.join(sorted(PARSERS))})") from None
 
 
@@ -135,11 +135,15 @@ class ToolStream:
     sent_content: int = 0  # characters of content already sent
     sent_calls: int = 0
     calls: list[dict[str, Any]] = field(default_factory=list)
+    parsed: int = 0  # the stable prefix parsed last: a longer one is needed for any news
 
     def feed(self, text: str, finished: bool) -> dict[str, Any]:
         """The delta (``content`` and/or ``tool_calls``) the reply so far adds; {} if none."""
         upto = self.parser.stable(text, finished)
-        content, calls = self.parser.parse(text[:upto]) if upto else ("", [])
+        if upto <= self.parsed:  # e.g. every token inside an open call: nothing to parse again
+            return {}
+        self.parsed = upto
+        content, calls = self.parser.parse(text[:upto])
         delta: dict[str, Any] = {}
         if len(content) > self.sent_content:  # content only grows: see ToolParser.stable
             delta["content"] = content[self.sent_content:]
