@@ -73,6 +73,7 @@ class AdaptiveDriver:
     on: bool = True
     phases: dict[str, float] = field(default_factory=dict)
     carry: float = 0.0  # seconds of prompt-only steps since the last decode step
+    previous: Setting | None = None  # the setting of the last decode step observed
 
     def phase(self, inner: AbstractContextManager[None], name: str
               ) -> AbstractContextManager[None]:
@@ -105,9 +106,10 @@ class AdaptiveDriver:
         made plain decoding look 1.5x slower than it was at 8 clients on the demo pair).
         Without mixing (``--disable-mixed-chunk``) a prefill-only step that ``stalled``
         running requests adds its time to the next decode step's (one with nothing else
-        running costs every setting alike)."""
+        running costs every setting alike). A decode step under another setting than the
+        last one pays for the switch and is not timed (``AdaptiveChooser.observe``)."""
         if not self.on:
-            self.carry = 0.0
+            self.carry, self.previous = 0.0, None
         elif kind == "prefill" or not batch:
             self.carry += seconds if stalled else 0.0
         elif kind == "mixed":
@@ -119,8 +121,10 @@ class AdaptiveDriver:
             # With one drafting rank, rank 0 waits for its tree in the "tree" phase.
             draft = (ph.get("draft", 0.0) + ph.get("tree", 0.0) if not setting.off
                      else ph.get("feed", 0.0))
+            switched = self.previous is not None and setting != self.previous
+            self.previous = setting
             self.chooser.observe(setting, batch, 1e3 * (seconds + self.carry), 1e3 * forward,
-                                 1e3 * draft, appended, fed)
+                                 1e3 * draft, appended, fed, switched)
             self.carry = 0.0
         self.phases = {}
 

@@ -4,7 +4,8 @@ Rank 0 owns the chooser; its choice reaches every rank as an ordinary ``ConfigCh
 between two steps, so ranks never decide from timings they measured themselves.
 
 What is measured live, per batch-size bucket (powers of two) and setting: step time, the
-target forward inside it (decode or verify) and the draft phase; and, per bucket and
+target forward inside it (decode or verify) and the draft phase (not in the first step
+after a switch, which pays for the switch); and, per bucket and
 branching factor, how often the draft is accepted at each depth. ``CostModel`` (the A/B harness's model) turns
 those into a prediction for settings not measured at a bucket yet: draft cost per depth, a
 verify line through the measured node counts (plain decode is the 1-node point), and the
@@ -283,9 +284,19 @@ class AdaptiveChooser:
     # ---- measurements ----
 
     def observe(self, setting: Setting, batch: int, step_ms: float, forward_ms: float,
-                draft_ms: float, tokens: int, fed: bool = True) -> None:
+                draft_ms: float, tokens: int, fed: bool = True, switched: bool = False
+                ) -> None:
         """One decode step that ran ``setting`` over ``batch`` requests; a plain one that
-        ``fed`` the draft nothing counts as ``UNFOLLOWED``."""
+        ``fed`` the draft nothing counts as ``UNFOLLOWED``; one that ``switched`` from
+        another setting is not timed."""
+        if switched:
+            # The first step after a switch pays for it: the drafting rank grew its tree
+            # ahead for the old setting (or none, coming from plain decoding) and grows it
+            # again in the step; leaving speculation, rank 0 waits for that rank's run-ahead.
+            # Timed, it was a one-step probe's whole window: on the demo pair at batch 1 the
+            # launch tree, probed from 3/1/4, timed 4.7 ms against ~3.0 in its own steady
+            # steps, and 3/1/4 ran the next ~1000 steps (an in-engine tie that time).
+            return
         bucket = bucket_of(batch)
         if setting.off and not fed:
             setting = UNFOLLOWED
@@ -706,7 +717,8 @@ class AdaptiveChooser:
         timed = table[probed].window_steps if probed in table else 0
         if timed >= self.cfg.explore_steps or probed not in preds or home not in preds:
             return False
-        return preds[probed] > preds[home] * (1 + self.cfg.margin)
+        # The switch step is not timed (``observe``): judged after one step of its own.
+        return timed == 0 or preds[probed] > preds[home] * (1 + self.cfg.margin)
 
     def snapshot(self) -> dict[str, Any]:
         bucket = self.last_bucket
