@@ -9,7 +9,9 @@ time), and writes JSON with ``--json``.
 Prompts: by default each round takes the next ``concurrency`` built-in prompts, so batch 1
 cycles through all of them (how far a draft gets depends a lot on the text: on the demo pair
 one prompt speculates at 0.9x plain and another at 1.6x); ``--same-prompts`` gives every
-round the first ones (what this tool did before, batch 1 measuring one prompt only).
+round the first ones (what this tool did before, batch 1 measuring one prompt only). At
+batch 1 the report also gives each prompt's median ratio (``by_prompt``): the overall median
+is mostly which prompts the draft does well on.
 """
 
 from __future__ import annotations
@@ -35,6 +37,15 @@ def one_round(client: httpx.Client, urls: dict[str, str], conc: int, tokens: int
         out[name] = run.tokens / run.seconds
         out[f"{name}_tokens"], out[f"{name}_seconds"] = run.tokens, run.seconds
     return out
+
+
+def by_prompt(rounds: list[dict[str, float]], firsts: list[int]) -> dict[str, float]:
+    """Batch 1: each prompt's median spec / plain ratio over the rounds that ran it, keyed by
+    its index in ``DEFAULT_PROMPTS``."""
+    ratios: dict[int, list[float]] = {}
+    for r, first in zip(rounds, firsts, strict=True):
+        ratios.setdefault(first % len(DEFAULT_PROMPTS), []).append(r["spec"] / r["plain"])
+    return {str(k): statistics.median(v) for k, v in sorted(ratios.items())}
 
 
 def totals_ratio(rounds: list[dict[str, float]]) -> float:
@@ -63,16 +74,22 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         for conc in (int(c) for c in args.concurrency.split(",")):
             for i in range(args.warmup):
                 one_round(client, urls, conc, args.max_tokens, i % 2 == 1)
-            rounds = [one_round(client, urls, conc, args.max_tokens, i % 2 == 1,
-                                0 if args.same_prompts else i * conc) for i in range(args.rounds)]
+            firsts = [0 if args.same_prompts else i * conc for i in range(args.rounds)]
+            rounds = [one_round(client, urls, conc, args.max_tokens, i % 2 == 1, first)
+                      for i, first in enumerate(firsts)]
             row = {"plain_tok_s": statistics.median(r["plain"] for r in rounds),
                    "spec_tok_s": statistics.median(r["spec"] for r in rounds),
                    "ratio_median": statistics.median(r["spec"] / r["plain"] for r in rounds),
                    "ratio_totals": totals_ratio(rounds), "rounds": rounds}
+            if conc == 1:
+                row["by_prompt"] = by_prompt(rounds, firsts)
             report[str(conc)] = row
             print(f"c={conc:3d}  plain {row['plain_tok_s']:8.1f} tok/s  spec {row['spec_tok_s']:8.1f}"
                   f" tok/s  spec/plain median of rounds {row['ratio_median']:.2f}x, of totals "
                   f"{row['ratio_totals']:.2f}x", flush=True)
+            if conc == 1:
+                print("       by prompt (median of its rounds): " + ", ".join(
+                    f"#{k} {v:.2f}x" for k, v in row["by_prompt"].items()), flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=2)

@@ -31,6 +31,9 @@ def test_rounds_cycle_prompts_and_report_both_ratios(monkeypatch: pytest.MonkeyP
     assert row["ratio_median"] == pytest.approx(1.5)
     # Totals: spec took twice as long on one prompt of five: 5 / (4 / 1.5 + 2 / 1.5) = 1.25x.
     assert row["ratio_totals"] == pytest.approx(1.25)
+    # Per prompt: the slow one stands out (0.75x), the others at 1.5x.
+    assert row["by_prompt"] == pytest.approx({"0": 1.5, "1": 0.75, "2": 1.5, "3": 1.5,
+                                              "4": 1.5})
     calls.clear()
     svp.main(["--plain", "http://plain", "--spec", "http://spec", "--concurrency", "1",
               "--rounds", "3", "--warmup", "0", "--same-prompts"])
