@@ -79,21 +79,25 @@ class Reply:
             body["text"] = out.text
         return body
 
+    def _chunk_choice(self, index: int, out: RequestOutput, new_logprobs: list[LogprobEntry]
+                      ) -> dict[str, Any]:
+        """A stream chunk's choice without its text: index, new logprobs, finish reason."""
+        return {"index": index, "logprobs": self.logprobs(new_logprobs),
+                "finish_reason": finish_reason(out)}
+
     def tool_delta(self, index: int, out: RequestOutput, new_logprobs: list[LogprobEntry],
                    stream: ToolStream) -> dict[str, Any]:
         """``delta`` for a chat stream whose tool calls are parsed: content up to where a call
         may start, and each call whole once its text is complete."""
-        body: dict[str, Any] = {"index": index, "logprobs": self.logprobs(new_logprobs),
-                                "finish_reason": finish_reason(out),
-                                "delta": stream.feed(out.text, out.finished)}
+        body = {**self._chunk_choice(index, out, new_logprobs),
+                "delta": stream.feed(out.text, out.finished)}
         if stream.calls:
             body["finish_reason"] = tool_finish(body["finish_reason"])
         return body
 
     def delta(self, index: int, out: RequestOutput, new_logprobs: list[LogprobEntry]) -> dict[str, Any]:
         """A stream chunk's choice carrying what ``out`` added."""
-        body: dict[str, Any] = {"index": index, "logprobs": self.logprobs(new_logprobs),
-                                "finish_reason": finish_reason(out)}
+        body = self._chunk_choice(index, out, new_logprobs)
         if self.chat:
             body["delta"] = {"content": out.new_text} if out.new_text or not out.finished else {}
         else:

@@ -133,8 +133,7 @@ class ToolStream:
 
     parser: ToolParser
     sent_content: int = 0  # characters of content already sent
-    sent_calls: int = 0
-    calls: list[dict[str, Any]] = field(default_factory=list)
+    calls: list[dict[str, Any]] = field(default_factory=list)  # those already sent
     parsed: int = 0  # the stable prefix parsed last: a longer one is needed for any news
 
     def feed(self, text: str, finished: bool) -> dict[str, Any]:
@@ -148,10 +147,9 @@ class ToolStream:
         if len(content) > self.sent_content:  # content only grows: see ToolParser.stable
             delta["content"] = content[self.sent_content:]
             self.sent_content = len(content)
-        fresh = calls[self.sent_calls:]
+        sent = len(self.calls)
+        fresh = calls[sent:]
         if fresh:
-            delta["tool_calls"] = [{"index": self.sent_calls + i, **c}
-                                   for i, c in enumerate(fresh)]
-            self.sent_calls = len(calls)
+            delta["tool_calls"] = [{"index": sent + i, **c} for i, c in enumerate(fresh)]
             self.calls.extend(fresh)
         return delta
