@@ -34,5 +34,9 @@ def exit_code_of(main: Callable[[], int | None]) -> int:
     try:
         return main() or 0
     except ConfigError as exc:
-        print(f"error: {exc}", file=sys.stderr, flush=True)
+        # One write of the whole line: print() writes the text and the newline apart, and
+        # under torchrun every rank refuses at once into the same pipe, so two ranks' lines
+        # ran together ("...N)error: ...N)"). A write under PIPE_BUF bytes is not interleaved.
+        sys.stderr.write(f"error: {exc}\n")
+        sys.stderr.flush()
         return 2
