@@ -151,8 +151,7 @@ class SymmMemAllReduce(AllReduce):
         multicast = True
         for dtype in sorted(self._bufs, key=str):  # the same order on every rank
             handle = symm.rendezvous(self._bufs[dtype], self._group_name)  # once: capture-safe
-            support = getattr(handle, "has_multicast_support", False)
-            multicast &= bool(support() if callable(support) else support)
+            multicast &= _multicast(handle, self.device)
         ops = torch.ops.symm_mem
         self._multimem = (
             self.config.use_multimem and multicast and all(hasattr(ops, op) for op in _OPS[2:])
@@ -201,3 +200,15 @@ class SymmMemAllReduce(AllReduce):
         self._bufs.clear()
         self._scratch.clear()
 
+
+def _multicast(handle: object, device: torch.device) -> bool:
+    """Whether the rendezvoused buffer supports multicast (NVLS). Older torch exposes
+    ``has_multicast_support`` as a method (or attribute) of the handle; torch 2.11 binds it
+    as a static function of (device type, index), which the handle call fails on."""
+    support = getattr(handle, "has_multicast_support", False)
+    if not callable(support):
+        return bool(support)
+    try:
+        return bool(support())
+    except TypeError:
+        return bool(support(torch._C._autograd.DeviceType.CUDA, device.index or 0))
