@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -86,16 +87,45 @@ def test_unaligned_shard_is_refused(ckpts: dict[str, Path]) -> None:
                               torch.device("cpu"), 64, weights=fmt)
 
 
+@pytest.mark.parametrize("rows", [1, 5, 16, 17])
+def test_block_gemm_pads_rows_for_cublas(monkeypatch: pytest.MonkeyPatch, rows: int) -> None:
+    """The glue around cuBLAS's block-scaled GEMM, on CPU with a stand-in that refuses what
+    an H200 refused (rows not a multiple of 16) and computes from the scales it is given."""
+    seen = []
+
+    def scaled_mm(xq, wq_t, x_scale, _a, w_scale_t, _b, _sa, _sb, output_dtype):  # noqa: ANN001
+        seen.append(xq.shape[0])
+        assert xq.shape[0] % 16 == 0, "CUBLAS_STATUS_NOT_SUPPORTED"
+        x = xq.float().view(xq.shape[0], -1, 128) * x_scale[..., None]
+        w = fp8.dequantize(wq_t.t(), w_scale_t.t()[:, : wq_t.shape[0] // 128], (128, 128))
+        return (x.view(xq.shape[0], -1) @ w.t()).to(output_dtype)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_mm", scaled_mm, raising=False)
+    monkeypatch.setattr(torch.nn.functional, "ScalingType", SimpleNamespace(
+        BlockWise1x128=0, BlockWise128x128=1), raising=False)
+    monkeypatch.setattr(torch.nn.functional, "SwizzleType", SimpleNamespace(NO_SWIZZLE=0),
+                        raising=False)
+    torch.manual_seed(0)
+    q, scale = fp8.quantize(torch.randn(256, 384), (128, 128))
+    x = torch.randn(rows, 384, dtype=torch.bfloat16)
+    got = fp8._scaled_mm_blockwise(x, q, scale).float()
+    ref = x.float() @ fp8.dequantize(q, scale, (128, 128)).t()
+    assert seen == [-(-rows // 16) * 16] and got.shape == (rows, 256)
+    assert ((got - ref).abs().max() / ref.abs().max()) < 0.05
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_block_gemm() -> None:
     device = torch.device("cuda")
     torch.manual_seed(0)
     q, scale = fp8.quantize(torch.randn(512, 768, device=device), (128, 128))
-    x = torch.randn(24, 768, device=device, dtype=torch.bfloat16)
-    ref = x.float() @ fp8.dequantize(q, scale, (128, 128)).t()
-    got = fp8.fp8_linear(x, q, scale, (128, 128)).float()
-    assert ((got - ref).abs().max() / ref.abs().max()) < 0.05  # activations are FP8 too
+    for rows in (24, 1, 3, 17):  # MoE experts get any row count (cuBLAS refused odd ones)
+        x = torch.randn(rows, 768, device=device, dtype=torch.bfloat16)
+        ref = x.float() @ fp8.dequantize(q, scale, (128, 128)).t()
+        got = fp8.fp8_linear(x, q, scale, (128, 128)).float()
+        assert got.shape == (rows, 512)
+        assert ((got - ref).abs().max() / ref.abs().max()) < 0.05  # activations are FP8 too
     cuda = tuple(int(v) for v in (torch.version.cuda or "0.0").split(".")[:2])
     if torch.cuda.get_device_capability()[0] == 9 and cuda >= (12, 9):
         assert fp8.native_blockwise_gemm(device), "Hopper with CUDA >= 12.9 should use scaled_mm"
