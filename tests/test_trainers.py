@@ -48,13 +48,28 @@ def test_target_trainer(tiny_target: tuple[Path, dict]) -> None:
 def test_eagle3_trainer(tiny_target: tuple[Path, dict], tmp_path: Path) -> None:
     cfg = eagle3.DraftTrainConfig(draft_vocab=128, prompts=8, new_tokens=16, gen_batch=8,
                                   batch_size=4, steps=12, minutes=None, lr=1e-2,
-                                  eval_prompts=1, eval_tokens=8, threads=1, device="cpu")
+                                  eval_prompts=1, eval_tokens=8, threads=1, device="cpu",
+                                  aux_layers="2,0,1")
     log = eagle3.train(cfg, tiny_target[0], tmp_path / "draft")
     curve = json.loads((tmp_path / "draft" / "train_log.json").read_text())["curves"]["step 0"]
     assert curve[-1][1] < curve[0][1]
     saved = json.loads((tmp_path / "draft" / "config.json").read_text())
     assert saved["architectures"] == ["LlamaForCausalLMEagle3"] and saved["draft_vocab_size"] == 128
+    # the chosen layers, in the order given: the engine concatenates features that way
+    assert saved["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [2, 0, 1]
+    assert log["aux_layer_ids"] == [2, 0, 1]
     assert log["eval"]["accept_length"] >= 1.0  # tpserve loaded it and decoded speculatively
+
+
+@pytest.mark.parametrize("spec", ["1,2", "1,3,3", "0,1,7", "a,b,c", "-1,0,1"])
+def test_aux_layers_refuses_what_the_engine_cannot_capture(spec: str) -> None:
+    with pytest.raises(ConfigError, match="--aux-layers"):
+        eagle3.aux_layer_ids(spec, 8)
+
+
+def test_aux_layers_default_and_choice() -> None:
+    assert eagle3.aux_layer_ids("", 8) == default_aux_ids(8) == (1, 3, 4)
+    assert eagle3.aux_layer_ids("1,3,6", 8) == (1, 3, 6)
 
 
 def _random_draft(shape: DraftShape) -> Eagle3Trainable:

@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 from tokenizers import Tokenizer
 
-from tpserve.errors import exit_code_of
+from tpserve.errors import ConfigError, exit_code_of
 from tpserve.train.common import (
     Budget,
     Timer,
@@ -73,6 +73,8 @@ class DraftTrainConfig:
     threads: int | None = 2
     target_dtype: str = "auto"  # auto: bfloat16 on CUDA, float32 on CPU
     init_from: str | None = None  # warm start from an exported draft: its weights and vocab
+    # Target layer outputs the draft reads, comma-separated ("" = ``default_aux_ids``).
+    aux_layers: str = ""
 
 
 def make_data(cfg: DraftTrainConfig, model, tok: Tokenizer,  # type: ignore[no-untyped-def]
@@ -130,6 +132,23 @@ def init_draft(shape: DraftShape, target, vocab: DraftVocab) -> Eagle3Trainable:
         draft.norm.weight.copy_(target.model.norm.weight.float())
         draft.lm_head.weight.copy_(target.lm_head.weight[vocab.ids].float())
     return draft
+
+
+def aux_layer_ids(spec: str, num_layers: int) -> tuple[int, ...]:
+    """The target layers whose outputs feed the draft: ``spec`` ("1,3,6") or the default.
+    Three distinct ids in 0..L - 2 (the engine captures raw residual outputs; Hugging Face's
+    last hidden state is already final-normed)."""
+    if not spec:
+        return default_aux_ids(num_layers)
+    try:
+        ids = tuple(int(part) for part in spec.split(","))
+    except ValueError:
+        raise ConfigError(f"--aux-layers wants comma-separated layer ids (got {spec!r})",
+                          flag="--aux-layers") from None
+    if len(ids) != 3 or len(set(ids)) != 3 or not all(0 <= i <= num_layers - 2 for i in ids):
+        raise ConfigError(f"--aux-layers wants three distinct ids in 0..{num_layers - 2} "
+                          f"(got {spec!r})", flag="--aux-layers")
+    return ids
 
 
 def draft_shape(target_cfg: dict, cfg: DraftTrainConfig, vocab: DraftVocab) -> DraftShape:
@@ -194,7 +213,7 @@ def train(cfg: DraftTrainConfig, target_dir: Path, out: Path) -> dict:
     data = make_data(cfg, target, tok, train_files)
     gen_seconds = timer.elapsed()
     vocab = choose_vocab(data, target_cfg["vocab_size"], cfg.draft_vocab)
-    aux_ids = default_aux_ids(target_cfg["num_hidden_layers"])
+    aux_ids = aux_layer_ids(cfg.aux_layers, target_cfg["num_hidden_layers"])
     draft = init_draft(draft_shape(target_cfg, cfg, vocab), target, vocab)
     if cfg.init_from:
         vocab = load_exported(draft, Path(cfg.init_from))
