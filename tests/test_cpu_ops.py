@@ -313,6 +313,33 @@ def test_avx2_build_within_one_ulp_on_any_thread_count(dtype: torch.dtype) -> No
     lib.gemm_set_threads(1)
 
 
+@pytest.mark.skipif(not torch.cpu._is_avx512_supported(), reason="needs AVX-512")
+def test_avx512_stream_rows_give_the_same_bits() -> None:
+    """One weight row per pass (any AMD Zen) or four (other AVX-512 CPUs) at one x row: the
+    same outputs bit for bit, at any thread count, as each output's sum is the same."""
+    source = Path(cpu_ops.__file__).with_name("gemm.c")
+    depends = [source.with_name(n) for n in ("gemm_tiles.c", "gemm_pool.c", "half.h")]
+    builds = [load_library(source, "gemm_lanes", depends, extra_flags=(f"-DROWS={r}",))
+              for r in (1, 4)]
+    assert [lanes for _, lanes in builds] == [16, 16]
+    gen = torch.Generator().manual_seed(5)
+    for rows, cols in [(5, 7), (17, 33), (301, 1408), (130, 515)]:
+        w = torch.randn(rows, cols, generator=gen).bfloat16()
+        x = torch.randn(1, cols, generator=gen).bfloat16()
+        ys = []
+        for lib, _ in builds:
+            fn = _ctypes_gemm(lib, torch.bfloat16)
+            for threads in (1, 2):
+                lib.gemm_set_threads(threads)
+                y = torch.empty(1, rows, dtype=torch.bfloat16)
+                assert fn(w.data_ptr(), cols, x.data_ptr(), cols, 1, rows, cols, y.data_ptr(),
+                          rows) == 0
+                ys.append(y)
+            lib.gemm_set_threads(1)
+        assert ((ys[0].double() - x.double() @ w.double().T).abs() <= _bound(x, w)).all()
+        assert all(torch.equal(y, ys[0]) for y in ys)
+
+
 @pytest.mark.parametrize("amx,bf16,isa,rows", [
     (True, True, None, 8), (False, True, None, 16), (False, False, None, sys.maxsize),
     (True, True, "AVX512_CORE_BF16", 16), (True, True, "AVX2", sys.maxsize),

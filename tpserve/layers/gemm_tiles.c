@@ -31,7 +31,9 @@
  * ahead 15.0 / 10.3, 4 KB 18.9 / 11.8, 8 KB 21.1 / 12.1; at 4 KB, 2 rows 20.5 / 11.4 and 8 rows
  * 12.9 / 8.9. On a 2-vCPU Zen 3 (AVX2) the distance hardly matters (one row at a time, 2
  * threads, 0 to 8 KB: 13-15 GB/s, within the noise). */
+#ifndef PREFETCH_BYTES
 #define PREFETCH_BYTES 8192
+#endif
 
 #include "half.h"
 
@@ -64,11 +66,26 @@ static inline vec f16_vec(const uint16_t *p) {
  * 2-vCPU Zen 3 (AVX2) with one, a plain sequential read: the 33 projections + lm_head of the
  * bench model (hidden 512 x 8, 79 MB), one thread, 11.3 GB/s with 1 row vs 8.5 with 4, 7.6 with
  * 2 and 8.0 with 8 (a plain AVX2 read of the same bytes: 12.7-13.1); 2 threads 13-15 vs 11.2.
+ * AMD Zen with AVX-512 (Zen 4) too: a 2-vCPU EPYC, 8 layers of the bench model's projections
+ * at one x row (ctypes harness, median of 9 alternating rounds), 1 thread 17.4 GB/s with 1 row
+ * vs 10.1 with 4 and 14.1 with 2; 2 threads 35.4 vs 22.9 and 32.7. So one row on any Zen
+ * (GCC's -march=native names it znverN; a GCC older than the chip names an older Zen).
  * Only the order in which outputs are computed changes, never an output's arithmetic. */
-#if LANES == 16
+#if defined(__znver1__) || defined(__znver2__) || defined(__znver3__) || defined(__znver4__) \
+    || defined(__znver5__)
+#define AMD_ZEN 1
+#else
+#define AMD_ZEN 0
+#endif
+#ifndef ROWS
+#if LANES == 16 && !AMD_ZEN
 #define ROWS 4
 #else
 #define ROWS 1
+#endif
+#endif
+#if ROWS != 1 && ROWS != 4
+#error "ROWS: the streaming tile exists for 1 and 4 weight rows"
 #endif
 
 #if LANES
