@@ -43,7 +43,12 @@ from tpserve.train.eagle_data import (
     load_target,
     target_view,
 )
-from tpserve.train.eagle_export import default_aux_ids, export_draft, load_exported
+from tpserve.train.eagle_export import (
+    capturable_aux_ids,
+    default_aux_ids,
+    export_draft,
+    load_exported,
+)
 from tpserve.train.evaluate import accept_eval, eval_prompts
 
 
@@ -145,7 +150,7 @@ def aux_layer_ids(spec: str, num_layers: int) -> tuple[int, ...]:
     except ValueError:
         raise ConfigError(f"--aux-layers wants comma-separated layer ids (got {spec!r})",
                           flag="--aux-layers") from None
-    if len(ids) != 3 or len(set(ids)) != 3 or not all(0 <= i <= num_layers - 2 for i in ids):
+    if not capturable_aux_ids(ids, num_layers):
         raise ConfigError(f"--aux-layers wants three distinct ids in 0..{num_layers - 2} "
                           f"(got {spec!r})", flag="--aux-layers")
     return ids

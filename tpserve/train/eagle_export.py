@@ -13,6 +13,11 @@ from tpserve.train.draft_model import Eagle3Trainable
 from tpserve.train.eagle_data import DraftVocab
 
 
+def capturable_aux_ids(ids: tuple[int, ...], num_layers: int) -> bool:
+    """Three distinct layer-output ids in 0..L - 2 (see ``default_aux_ids``)."""
+    return len(ids) == 3 and len(set(ids)) == 3 and all(0 <= i <= num_layers - 2 for i in ids)
+
+
 def default_aux_ids(num_layers: int) -> tuple[int, ...]:
     """Layer-output ids (SpecForge's choice: 1, L/2 - 1, L - 4; spread out on tiny targets).
 
@@ -20,7 +25,7 @@ def default_aux_ids(num_layers: int) -> tuple[int, ...]:
     engine captures the raw residual stream, so the last layer's output is never used.
     """
     ids = (1, num_layers // 2 - 1, num_layers - 4)
-    if len(set(ids)) == 3 and all(0 <= i <= num_layers - 2 for i in ids):
+    if capturable_aux_ids(ids, num_layers):
         return tuple(sorted(ids))
     if num_layers < 4:
         raise ConfigError(f"EAGLE-3 needs a target with at least 4 layers (got {num_layers})",
