@@ -285,12 +285,17 @@ def _ctypes_gemm(lib: ctypes.CDLL, dtype: torch.dtype):  # type: ignore[no-untyp
     return fn
 
 
+def _gemm_build(*flags: str) -> tuple[ctypes.CDLL, int]:
+    """gemm.c alone through ctypes, with ``flags`` after the usual ones; (library, lanes)."""
+    source = Path(cpu_ops.__file__).with_name("gemm.c")
+    depends = [source.with_name(n) for n in ("gemm_tiles.c", "gemm_pool.c", "half.h")]
+    return load_library(source, "gemm_lanes", depends, extra_flags=flags)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_avx2_build_within_one_ulp_on_any_thread_count(dtype: torch.dtype) -> None:
     """The 8-lane AVX2 path (CPUs without AVX-512), built from the same gemm.c via ctypes."""
-    source = Path(cpu_ops.__file__).with_name("gemm.c")
-    depends = [source.with_name(n) for n in ("gemm_tiles.c", "gemm_pool.c", "half.h")]
-    lib, lanes = load_library(source, "gemm_lanes", depends, extra_flags=("-mno-avx512f",))
+    lib, lanes = _gemm_build("-mno-avx512f")
     assert lanes == 8
     fn = _ctypes_gemm(lib, dtype)
     gen = torch.Generator().manual_seed(13)
@@ -317,10 +322,7 @@ def test_avx2_build_within_one_ulp_on_any_thread_count(dtype: torch.dtype) -> No
 def test_avx512_stream_rows_give_the_same_bits() -> None:
     """One weight row per pass (any AMD Zen) or four (other AVX-512 CPUs) at one x row: the
     same outputs bit for bit, at any thread count, as each output's sum is the same."""
-    source = Path(cpu_ops.__file__).with_name("gemm.c")
-    depends = [source.with_name(n) for n in ("gemm_tiles.c", "gemm_pool.c", "half.h")]
-    builds = [load_library(source, "gemm_lanes", depends, extra_flags=(f"-DROWS={r}",))
-              for r in (1, 4)]
+    builds = [_gemm_build(f"-DROWS={r}") for r in (1, 4)]
     assert [lanes for _, lanes in builds] == [16, 16]
     gen = torch.Generator().manual_seed(5)
     for rows, cols in [(5, 7), (17, 33), (301, 1408), (130, 515)]:

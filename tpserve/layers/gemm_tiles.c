@@ -31,9 +31,7 @@
  * ahead 15.0 / 10.3, 4 KB 18.9 / 11.8, 8 KB 21.1 / 12.1; at 4 KB, 2 rows 20.5 / 11.4 and 8 rows
  * 12.9 / 8.9. On a 2-vCPU Zen 3 (AVX2) the distance hardly matters (one row at a time, 2
  * threads, 0 to 8 KB: 13-15 GB/s, within the noise). */
-#ifndef PREFETCH_BYTES
 #define PREFETCH_BYTES 8192
-#endif
 
 #include "half.h"
 
