@@ -145,6 +145,25 @@ def test_moe_layer_partials_sum_to_hf() -> None:
             torch.testing.assert_close(total, ref, rtol=1e-5, atol=1e-5, msg=f"{size} {ep}")
 
 
+@pytest.mark.parametrize("size,ep", [(1, 1), (4, 4)])
+def test_sorted_and_static_combine_bit_for_bit(size: int, ep: int) -> None:
+    """Both paths add a token's experts in ascending expert order in float32: with a row-wise
+    expert function (so the matmul's row count cannot matter) the bf16 outputs are equal bit
+    for bit, which is what lets CUDA-graph decoding repeat the eager path's greedy tokens."""
+    cfg = hf_config("deepseek")
+    torch.manual_seed(5)
+    x = torch.randn(37, H).bfloat16()
+    ids = torch.stack([torch.randperm(cfg.n_routed_experts)[: cfg.num_experts_per_tok]
+                       for _ in range(37)])
+    w = torch.rand(37, cfg.num_experts_per_tok)
+    for rank in range(size):
+        stack = _moe(cfg, rank, size, ep).experts
+        stack.expert_mlp = lambda e, rows: torch.tanh(rows * (0.3 + e)) * (e % 3 - 1.1)
+        static, dyn = stack.forward_static(x, w, ids), stack.forward_sorted(x, w, ids)
+        assert dyn.dtype == torch.bfloat16 and dyn.abs().sum() > 0
+        assert torch.equal(static, dyn), (rank, (static.float() - dyn.float()).abs().max())
+
+
 def test_ep_size_refusals() -> None:
     cfg = hf_config("deepseek")
     with pytest.raises(ConfigError) as err:

@@ -111,15 +111,20 @@ class ExpertStack(nn.Module):
 
     def forward_sorted(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
                        ) -> torch.Tensor:
-        top_k = ids.shape[1]
+        n, top_k = ids.shape
         flat = ids.reshape(-1)
         order = torch.argsort(flat, stable=True)
-        counts = torch.bincount(flat, minlength=self.num_experts).tolist()
+        rank = slot_rank(ids).reshape(-1)
+        local = (flat >= self.first) & (flat < self.first + self.local_experts)
+        # One host sync for both: pairs per expert, and local pairs per slot rank.
+        counts = torch.cat([torch.bincount(flat, minlength=self.num_experts),
+                            torch.bincount(rank, weights=local.float(), minlength=top_k).long()]
+                           ).tolist()
+        rank_counts = counts[self.num_experts:]
         lo = sum(counts[: self.first])
         local_counts = counts[self.first: self.first + self.local_experts]
-        out = torch.zeros_like(x)
         if sum(local_counts) == 0:
-            return out
+            return torch.zeros_like(x)
         pairs = order[lo: lo + sum(local_counts)]
         tokens = pairs // top_k
         xs = x.index_select(0, tokens)
@@ -129,15 +134,30 @@ class ExpertStack(nn.Module):
             if count:
                 ys[offset: offset + count] = self.expert_mlp(e, xs[offset: offset + count])
                 offset += count
-        ys = ys * weights.reshape(-1)[pairs].unsqueeze(1).to(ys.dtype)
-        return out.index_add_(0, tokens, ys)
+        # Add each token's experts in ascending expert order, in float32, one slot rank per
+        # index_add_ (no token twice in one call): the same sums, bit for bit, as
+        # forward_static's loop over experts, and no atomics racing on CUDA.
+        by_rank = torch.argsort(rank[pairs] * n + tokens)
+        acc = x.new_zeros(x.shape, dtype=torch.float32)
+        start = 0
+        for count in rank_counts:
+            sel = by_rank[start: start + count]
+            start += count
+            acc.index_add_(0, tokens[sel],
+                           ys[sel].float() * weights.reshape(-1)[pairs[sel]].float().unsqueeze(1))
+        return acc.to(x.dtype)
 
     def forward_static(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
                        ) -> torch.Tensor:
-        dense = torch.zeros(x.shape[0], self.num_experts, dtype=weights.dtype,
-                            device=x.device).scatter_(1, ids, weights)
-        local = dense[:, self.first: self.first + self.local_experts].to(x.dtype)
-        out = torch.zeros_like(x)
+        dense = torch.zeros(x.shape[0], self.num_experts, dtype=torch.float32,
+                            device=x.device).scatter_(1, ids, weights.float())
+        local = dense[:, self.first: self.first + self.local_experts]
+        acc = x.new_zeros(x.shape, dtype=torch.float32)
         for e in range(self.local_experts):
-            out = out + self.expert_mlp(e, x) * local[:, e: e + 1]
-        return out
+            acc = acc + self.expert_mlp(e, x).float() * local[:, e: e + 1]
+        return acc.to(x.dtype)
+
+
+def slot_rank(ids: torch.Tensor) -> torch.Tensor:
+    """[N, top_k] expert ids -> each slot's place among its token's experts by ascending id."""
+    return (ids.unsqueeze(1) < ids.unsqueeze(2)).sum(-1)
