@@ -121,7 +121,7 @@ static void store_f16(uint16_t *dst, const float *src, int64_t n) {
             for (int64_t rb = r0; rb < r1; rb += SUB_ROWS) {                                  \
                 const int64_t re = rb + SUB_ROWS < r1 ? rb + SUB_ROWS : r1;                   \
                 int64_t r = rb;                                                               \
-                if (xs <= PAIR_XS)                                                            \
+                if (xs <= PAIR_XS && (COLD_PAIRS || i0 > 0))                                  \
                     for (; r + 2 <= re; r += 2)                                               \
                         two_row_tiles_##FMT[xs](job->w + r * ldw, ldw, xb, k, k,              \
                                                 out + (r - rb), SUB_ROWS);                    \
@@ -203,3 +203,6 @@ int32_t gemm_threads(void) { return pool_threads(); }
 
 /* Lanes per vector step in this build: 0 means no vector path (the caller keeps ATen). */
 int32_t gemm_lanes(void) { return LANES; }
+
+/* 1 when bf16 tiles use AVX512-BF16's dot product (bf16 subnormal inputs count as zero). */
+int32_t gemm_bf16_dot(void) { return DPBF16; }

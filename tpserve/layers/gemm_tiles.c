@@ -12,7 +12,13 @@
  * half of a block into its own fp32 accumulator vector by fused multiply-add; the two
  * accumulators are added, their lanes summed as a fixed pairwise tree, the leftover columns
  * added one by one with fmaf, and the sum rounded once to the output format (nearest-even, NaN
- * kept). Subnormals are kept (no flush-to-zero instructions such as AVX512-BF16's dot product).
+ * kept). Subnormals are kept.
+ *
+ * bf16 on CPUs with AVX512-BF16 (DPBF16 below) instead: x stays bf16, and each 2 x LANES block
+ * of columns is one dot-product instruction into an fp32 accumulator (each lane adds its two
+ * exact products), blocks alternating between two accumulators; then the same lane tree, tail
+ * and rounding. Every tile uses it, so the bits are still the same whatever the tile, batch or
+ * thread count. Like oneDNN's bf16 GEMM on the same CPUs, bf16 subnormal inputs count as zero.
  *
  * Explicit intrinsics chosen at compile time (-march=native): AVX-512 (16 lanes) or AVX2 + F16C
  * + FMA (8 lanes). Without them the library reports 0 lanes and the caller keeps ATen.
@@ -84,6 +90,21 @@ static inline vec f16_vec(const uint16_t *p) {
 #endif
 #if ROWS != 1 && ROWS != 4
 #error "ROWS: the streaming tile exists for 1 and 4 weight rows"
+#endif
+
+/* bf16 tiles by AVX512-BF16's dot product (32 multiply-adds per instruction, against 16 per FMA
+ * plus the unpacking): the several-x-row tiles are bound by arithmetic, not by the weight stream
+ * (batch 16 ran at 0.65-0.7x of llama.cpp's batched decode on a 2-vCPU AVX-512 EPYC, where
+ * oneDNN uses this instruction). -DDPBF16=0 builds the FMA tiles (the tests compare both). */
+#ifndef DPBF16
+#if LANES == 16 && defined(__AVX512BF16__)
+#define DPBF16 1
+#else
+#define DPBF16 0
+#endif
+#endif
+#if DPBF16 && !(LANES == 16 && defined(__AVX512BF16__))
+#error "DPBF16 needs AVX-512 with AVX512-BF16"
 #endif
 
 #if LANES
@@ -165,6 +186,10 @@ static inline void f16_pair(const uint16_t *p, vec *even, vec *odd) {
 }
 
 static void bf16_layout(const uint16_t *xh, int64_t k, float *x) {
+#if DPBF16 /* x stays bf16, in column order: k 16-bit values at the start of the fp32 row */
+    memcpy(x, xh, (size_t)k * sizeof(uint16_t));
+    return;
+#endif
     int64_t c = 0;
     for (; c + 2 * LANES <= k; c += 2 * LANES)
         for (int j = 0; j < LANES; j++) {
@@ -218,8 +243,67 @@ static void f16_layout(const uint16_t *xh, int64_t k, float *x) {
                 }                                                                             \
     }
 
+#if DPBF16
+/* DEFINE_TILE's shape for bf16 by dot products: blocks of 2 x LANES columns alternate between
+ * the accumulators a0 and a1 (a lone last block goes to a0); x rows hold bf16 (bf16_layout). */
+#define DEFINE_TILE_DP(R, X)                                                                  \
+    static void tile_bf16_##R##_##X(const uint16_t *w, int64_t ldw, const float *xf,          \
+                                    int64_t ldxf, int64_t k, float *sums, int64_t lds) {      \
+        const uint16_t *x = (const uint16_t *)xf;                                             \
+        const int64_t ldx = 2 * ldxf;                                                         \
+        __m512 a0[R][X], a1[R][X];                                                            \
+        for (int r = 0; r < R; r++)                                                           \
+            for (int j = 0; j < X; j++) a0[r][j] = a1[r][j] = _mm512_setzero_ps();            \
+        int64_t c = 0;                                                                        \
+        for (; c + 4 * LANES <= k; c += 4 * LANES) {                                          \
+            __m512bh w0[R], w1[R];                                                            \
+            for (int r = 0; r < R; r++) {                                                     \
+                const uint16_t *p = w + r * ldw + c;                                          \
+                _mm_prefetch((const char *)p + PREFETCH_BYTES, _MM_HINT_T0);                  \
+                _mm_prefetch((const char *)p + PREFETCH_BYTES + 64, _MM_HINT_T0);             \
+                w0[r] = (__m512bh)_mm512_loadu_si512((const void *)p);                        \
+                w1[r] = (__m512bh)_mm512_loadu_si512((const void *)(p + 2 * LANES));          \
+            }                                                                                 \
+            for (int j = 0; j < X; j++) {                                                     \
+                const __m512bh x0 = (__m512bh)_mm512_loadu_si512((const void *)(x + j * ldx + c)); \
+                const __m512bh x1 =                                                           \
+                    (__m512bh)_mm512_loadu_si512((const void *)(x + j * ldx + c + 2 * LANES)); \
+                for (int r = 0; r < R; r++) {                                                 \
+                    a0[r][j] = _mm512_dpbf16_ps(a0[r][j], w0[r], x0);                         \
+                    a1[r][j] = _mm512_dpbf16_ps(a1[r][j], w1[r], x1);                         \
+                }                                                                             \
+            }                                                                                 \
+        }                                                                                     \
+        if (c + 2 * LANES <= k) {                                                             \
+            for (int r = 0; r < R; r++) {                                                     \
+                const __m512bh wv = (__m512bh)_mm512_loadu_si512((const void *)(w + r * ldw + c)); \
+                for (int j = 0; j < X; j++)                                                   \
+                    a0[r][j] = _mm512_dpbf16_ps(                                              \
+                        a0[r][j], wv, (__m512bh)_mm512_loadu_si512((const void *)(x + j * ldx + c))); \
+            }                                                                                 \
+            c += 2 * LANES;                                                                   \
+        }                                                                                     \
+        vec v[R * X];                                                                         \
+        for (int r = 0; r < R; r++)                                                           \
+            for (int j = 0; j < X; j++) v[j * R + r] = vadd(a0[r][j], a1[r][j]);              \
+        store_sums(v, R, X, sums, lds);                                                       \
+        if (c < k)                                                                            \
+            for (int r = 0; r < R; r++)                                                       \
+                for (int j = 0; j < X; j++) {                                                 \
+                    float s = sums[j * lds + r];                                              \
+                    for (int64_t t = c; t < k; t++)                                           \
+                        s = fmaf(bf16_to_f32(w[r * ldw + t]), bf16_to_f32(x[j * ldx + t]), s); \
+                    sums[j * lds + r] = s;                                                    \
+                }                                                                             \
+    }
+#define TILE_bf16(R, X) DEFINE_TILE_DP(R, X)
+#else
+#define TILE_bf16(R, X) DEFINE_TILE(bf16, R, X)
+#endif
+#define TILE_f16(R, X) DEFINE_TILE(f16, R, X)
+
 #if ROWS == 4
-#define DEFINE_STREAM_TILE(FMT) DEFINE_TILE(FMT, 4, 1)
+#define DEFINE_STREAM_TILE(FMT) TILE_##FMT(4, 1)
 #define STREAM_TILE(FMT) tile_##FMT##_4_1
 #else
 #define DEFINE_STREAM_TILE(FMT)
@@ -238,26 +322,37 @@ static void f16_layout(const uint16_t *xh, int64_t k, float *x) {
  * one weight row against blocks of 4 x rows ran 5.3 / 5.6 / 9.6 / 16.2 / 74.0 ms at 2 / 4 / 8
  * / 16 / 64 rows against 7.7 / 10.7 / 13.1 / 22.0-32.0 / 98.0 with the 2 x 4 tiles (blocks of
  * 6 or 8: no better). Same bits: every output keeps its own two accumulators. */
+#ifndef PAIR_XS
 #if LANES == 16
 #define PAIR_XS XPAIR
 #else
 #define PAIR_XS 1
 #endif
+#endif
+/* Whether the first x block over a chunk (its weights still in memory, not cache) may use the
+ * 2-row tiles. On AMD Zen two weight streams side by side read slower than one (see ROWS), and
+ * a block of 2-4 x rows is bound by that read: the bench model's projections + lm_head, a
+ * 2-vCPU AVX-512 EPYC, 2 threads, ctypes harness, median of 9 alternating rounds, two runs:
+ * 2 x rows 3.2-3.4 ms with 1-row tiles against 4.7-5.7 with 2-row ones, 4 rows 3.4-3.8 against
+ * 5.0-5.6; at 16-32 rows (later blocks over cached weights) the 2-row tiles win by 4-22%. */
+#ifndef COLD_PAIRS
+#define COLD_PAIRS (!AMD_ZEN)
+#endif
 typedef void (*tile_fn)(const uint16_t *, int64_t, const float *, int64_t, int64_t, float *,
                         int64_t);
 #define DEFINE_TILES(FMT)                                                                     \
     DEFINE_STREAM_TILE(FMT) /* ROWS x 1 */                                                    \
-    DEFINE_TILE(FMT, 1, 1)                                                                    \
-    DEFINE_TILE(FMT, 1, 2)                                                                    \
-    DEFINE_TILE(FMT, 1, 3)                                                                    \
-    DEFINE_TILE(FMT, 1, 4)                                                                    \
-    DEFINE_TILE(FMT, 1, 5)                                                                    \
-    DEFINE_TILE(FMT, 1, 6)                                                                    \
-    DEFINE_TILE(FMT, 1, 7)                                                                    \
-    DEFINE_TILE(FMT, 1, 8)                                                                    \
-    DEFINE_TILE(FMT, 2, 2)                                                                    \
-    DEFINE_TILE(FMT, 2, 3)                                                                    \
-    DEFINE_TILE(FMT, 2, 4)                                                                    \
+    TILE_##FMT(1, 1)                                                                          \
+    TILE_##FMT(1, 2)                                                                          \
+    TILE_##FMT(1, 3)                                                                          \
+    TILE_##FMT(1, 4)                                                                          \
+    TILE_##FMT(1, 5)                                                                          \
+    TILE_##FMT(1, 6)                                                                          \
+    TILE_##FMT(1, 7)                                                                          \
+    TILE_##FMT(1, 8)                                                                          \
+    TILE_##FMT(2, 2)                                                                          \
+    TILE_##FMT(2, 3)                                                                          \
+    TILE_##FMT(2, 4)                                                                          \
     static const tile_fn one_row_tiles_##FMT[XMAX + 1] = {                                    \
         0, tile_##FMT##_1_1, tile_##FMT##_1_2, tile_##FMT##_1_3, tile_##FMT##_1_4,            \
         tile_##FMT##_1_5, tile_##FMT##_1_6, tile_##FMT##_1_7, tile_##FMT##_1_8};              \
