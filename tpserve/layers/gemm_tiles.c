@@ -18,7 +18,8 @@
  * of columns is one dot-product instruction into an fp32 accumulator (each lane adds its two
  * exact products), blocks alternating between two accumulators; then the same lane tree, tail
  * and rounding. Every tile uses it, so the bits are still the same whatever the tile, batch or
- * thread count. Like oneDNN's bf16 GEMM on the same CPUs, bf16 subnormal inputs count as zero.
+ * thread count. bf16 subnormal inputs count as zero there (the instruction's DAZ; ATen keeps
+ * them).
  *
  * Explicit intrinsics chosen at compile time (-march=native): AVX-512 (16 lanes) or AVX2 + F16C
  * + FMA (8 lanes). Without them the library reports 0 lanes and the caller keeps ATen.
@@ -94,8 +95,8 @@ static inline vec f16_vec(const uint16_t *p) {
 
 /* bf16 tiles by AVX512-BF16's dot product (32 multiply-adds per instruction, against 16 per FMA
  * plus the unpacking): the several-x-row tiles are bound by arithmetic, not by the weight stream
- * (batch 16 ran at 0.65-0.7x of llama.cpp's batched decode on a 2-vCPU AVX-512 EPYC, where
- * oneDNN uses this instruction). -DDPBF16=0 builds the FMA tiles (the tests compare both). */
+ * (batch 16 ran at 0.65-0.7x of llama.cpp's batched decode on a 2-vCPU AVX-512 EPYC with the
+ * FMA tiles, 0.95x with these). -DDPBF16=0 builds the FMA tiles (the tests compare both). */
 #ifndef DPBF16
 #if LANES == 16 && defined(__AVX512BF16__)
 #define DPBF16 1
