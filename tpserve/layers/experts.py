@@ -138,13 +138,13 @@ class ExpertStack(nn.Module):
         # index_add_ (no token twice in one call): the same sums, bit for bit, as
         # forward_static's loop over experts, and no atomics racing on CUDA.
         by_rank = torch.argsort(rank[pairs] * n + tokens)
+        pair_weights = weights.reshape(-1)[pairs].float().unsqueeze(1)
         acc = x.new_zeros(x.shape, dtype=torch.float32)
         start = 0
         for count in rank_counts:
             sel = by_rank[start: start + count]
             start += count
-            acc.index_add_(0, tokens[sel],
-                           ys[sel].float() * weights.reshape(-1)[pairs[sel]].float().unsqueeze(1))
+            acc.index_add_(0, tokens[sel], ys[sel].float() * pair_weights[sel])
         return acc.to(x.dtype)
 
     def forward_static(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor

@@ -189,8 +189,7 @@ static inline void f16_pair(const uint16_t *p, vec *even, vec *odd) {
 static void bf16_layout(const uint16_t *xh, int64_t k, float *x) {
 #if DPBF16 /* x stays bf16, in column order: k 16-bit values at the start of the fp32 row */
     memcpy(x, xh, (size_t)k * sizeof(uint16_t));
-    return;
-#endif
+#else
     int64_t c = 0;
     for (; c + 2 * LANES <= k; c += 2 * LANES)
         for (int j = 0; j < LANES; j++) {
@@ -198,6 +197,7 @@ static void bf16_layout(const uint16_t *xh, int64_t k, float *x) {
             x[c + LANES + j] = bf16_to_f32(xh[c + 2 * j + 1]);
         }
     for (; c < k; c++) x[c] = bf16_to_f32(xh[c]);
+#endif
 }
 
 static void f16_layout(const uint16_t *xh, int64_t k, float *x) {
