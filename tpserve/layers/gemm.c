@@ -17,17 +17,23 @@
 #include "gemm_tiles.c"
 #include "gemm_pool.c"
 
-/* Bytes of weights per chunk: small enough to stay in L1/L2 while every x block passes over
- * it, large enough that the atomic hand-out is noise. And at least CHUNKS_PER_THREAD chunks a
- * thread, so a thread that starts late (or shares its core) leaves the rest to the others. */
-#define CHUNK_BYTES 32768
+/* Bytes of weights per chunk, and at least CHUNKS_PER_THREAD chunks a thread, so a thread that
+ * starts late (or shares its core) leaves the rest to the others.
+ *
+ * Large: each chunk a thread claims starts a new weight stream, and the streams' ramp-up cost
+ * more than the x blocks after the first lose by reading the chunk from L2 instead of L1. The
+ * bench model's 33 projections + lm_head (ctypes harness, 2 threads, median of 9 alternating
+ * rounds, ms), a 2-vCPU AVX-512 EPYC (Zen 4 class), 32 KB against 256 KB chunks: x rows 2
+ * 4.26 / 3.25, 4 4.55 / 3.26, 8 6.02 / 4.37, 16 8.72 / 7.03, 32 13.41 / 11.41; one thread, 16
+ * rows 13.56 / 11.79, 64 rows 39.9 / 37.9; the FMA tiles 4 rows 5.38 / 4.34, 16 rows 12.6 /
+ * 12.2; the AVX2 build 4 rows 5.20 / 4.67, 16 rows 12.1 / 11.0. One x row (each weight read
+ * once, nothing to keep cached), 2 threads, a 2-vCPU Zen 3: 4.98 ms with 32 KB chunks, 4.64
+ * with 128 KB, 4.52 with 256 KB (a plain read of the same bytes through the same pool:
+ * ~3.6-4.0). Fewer claims of the shared word, too (each a cache line moving between cores). */
+#ifndef CHUNK_BYTES
+#define CHUNK_BYTES 262144
+#endif
 #define CHUNKS_PER_THREAD 4
-/* One x row passes over each weight once, so nothing needs to stay cached: larger chunks, and
- * fewer claims of the shared word (each a cache line moving between cores). The bench model's
- * 33 projections + lm_head at one x row, 2 threads, a 2-vCPU Zen 3, C harness, median of five
- * alternating runs: 4.98 ms with 32 KB chunks, 4.64 with 128 KB, 4.52 with 256 KB (a plain
- * read of the same bytes through the same pool: ~3.6-4.0). */
-#define STREAM_CHUNK_BYTES 262144
 /* Most x rows per pass over a chunk: blocks of up to PAIR_XS use the 2-row tiles. AVX-512, one
  * thread, hot weights, 16 rows (tools-only C loop, GFLOP/s): k = 512: 2 x 4 tiles 78, 1 x 8 86;
  * k = 2048 (a 4-row fp32 x block is 32 KB, 8 rows overflow L1): 2 x 4 46, 1 x 8 32. AVX2 (one
@@ -145,8 +151,8 @@ static void gemm_chunk(void *ctx, int64_t c) {
     else chunk_f16(job, r0, r1);
 }
 
-static int64_t chunk_rows(int64_t rows, int64_t k, int64_t m, int threads) {
-    int64_t by_cache = (m == 1 ? STREAM_CHUNK_BYTES : CHUNK_BYTES) / (2 * (k > 0 ? k : 1));
+static int64_t chunk_rows(int64_t rows, int64_t k, int threads) {
+    int64_t by_cache = CHUNK_BYTES / (2 * (k > 0 ? k : 1));
     int64_t by_balance = (rows + (int64_t)threads * CHUNKS_PER_THREAD - 1) /
                          ((int64_t)threads * CHUNKS_PER_THREAD);
     int64_t chunk = by_cache < by_balance ? by_cache : by_balance;
@@ -166,7 +172,7 @@ static int32_t gemm_run(int bf16, const uint16_t *w, int64_t ldw, const uint16_t
         if (bf16) bf16_layout(xh + i * ldx, k, x + i * k);
         else f16_layout(xh + i * ldx, k, x + i * k);
     }
-    gemm_job job = {w, ldw, x, m, rows, k, y, ldy, chunk_rows(rows, k, m, pool_threads()), bf16};
+    gemm_job job = {w, ldw, x, m, rows, k, y, ldy, chunk_rows(rows, k, pool_threads()), bf16};
     pool_run(gemm_chunk, &job, (rows + job.chunk - 1) / job.chunk);
     free(x);
     return 0;
