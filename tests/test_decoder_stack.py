@@ -200,6 +200,49 @@ def test_a_decode_forward_goes_through_the_stack(monkeypatch: pytest.MonkeyPatch
     assert calls
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("name,q_lens,cached,mask,window", CASES[:3])
+def test_native_head_equals_norm_then_logits(name: str, q_lens: list[int], cached: list[int],
+                                             mask: str | None, window: int | None,
+                                             dtype: torch.dtype) -> None:
+    """forward_logits (stack + tpserve::decoder_head) gives forward's hidden and logits' logits,
+    bit for bit, and writes the same KV."""
+    _native_or_skip()
+    model = _model("LlamaForCausalLM", dtype, TPContext.single())
+    fb, kv = _step(mask, q_lens, cached, dtype, window, 1)
+    one = [(k.clone(), v.clone()) for k, v in kv]
+    two = [(k.clone(), v.clone()) for k, v in kv]
+    with torch.inference_mode():
+        fused = model.forward_logits(fb, one)
+        hidden, _ = model(fb, two)
+        logits = model.logits(hidden)
+    assert fused is not None
+    assert fused[0].dtype == torch.float32 and fused[0].shape == (sum(q_lens), VOCAB)
+    assert torch.equal(fused[0], logits) and torch.equal(fused[1], hidden)
+    for (k1, v1), (k2, v2) in zip(one, two, strict=True):
+        assert torch.equal(k1, k2) and torch.equal(v1, v2)
+
+
+def test_native_head_only_for_one_rank_and_the_plain_head() -> None:
+    """None (the caller runs forward and logits) at TP > 1, for a head that is not the plain
+    one, and for steps the stack does not take."""
+    _native_or_skip()
+    fb, kv = _step(None, [1], [20], torch.bfloat16, None, 1)
+    model = _model("LlamaForCausalLM", torch.bfloat16, TPContext.single())
+    assert model.forward_logits(fb, kv) is not None
+
+    class Scaled(LlamaForCausalLM):
+        def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+            return 2 * super().logits(hidden)
+
+    scaled = Scaled(model.cfg, TPContext.single(), torch.bfloat16, CPU, 512)
+    assert scaled.forward_logits(fb, kv) is None
+    model.stack = None
+    assert model.forward_logits(fb, kv) is None
+    tp2 = _model("LlamaForCausalLM", torch.bfloat16, TPContext(0, 2, RecordingComm()))
+    assert tp2.forward_logits(*_step(None, [1], [20], torch.bfloat16, None, 2)) is None
+
+
 @pytest.mark.parametrize("hidden", [64, 128])  # head_dim 16 (narrow op on AVX-512) and 32
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("mask", [None, "draft"])

@@ -66,7 +66,13 @@ class StaticExecutor(Protocol):
 
 
 def decode_forward(model: Any, kv_layers: list[Any]) -> StaticForward:
+    # A model may run its whole step, head included, natively (LlamaForCausalLM on CPU).
+    fused = getattr(model, "forward_logits", None)
+
     def decode(fb: ForwardBatch, extras: dict[str, torch.Tensor]) -> tuple[torch.Tensor, ...]:
+        out = fused(fb, kv_layers) if fused is not None else None
+        if out is not None:
+            return out
         hidden, _ = model(fb, kv_layers)
         return model.logits(hidden), hidden
 

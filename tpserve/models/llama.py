@@ -20,6 +20,7 @@ from tpserve.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowPa
 from tpserve.layers.norm import RMSNorm
 from tpserve.layers.rotary import RotaryAt, RotaryEmbedding
 from tpserve.layers.tp import TPContext, divide
+from tpserve.layers.vocab import ParallelLMHead
 from tpserve.models.config import ModelConfig
 from tpserve.models.decoder_base import DecoderLM
 
@@ -122,17 +123,47 @@ class LlamaForCausalLM(DecoderLM):
                 aux_layers: tuple[int, ...] = ()) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """The shared layer loop, or on CPU steps of a few tokens the same layers as native
         ops (``fused_decoder``; bit-equal hidden states)."""
+        out = self._stack_forward(batch, kv, aux_layers)
+        if out is None:
+            return super().forward(batch, kv, aux_layers)
+        x, aux = out
+        return self.norm(x), aux
+
+    def forward_logits(self, batch: ForwardBatch, kv: list[KVPair]
+                       ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(fp32 logits, normed hidden) of a step that the native stack takes, with the final
+        norm and one rank's lm_head in one more native call (``tpserve::decoder_head``: the
+        same bits as ``forward`` then ``logits``); None where that does not apply and the
+        caller runs those two."""
+        if self.tp.size != 1 or not self._plain_head():
+            return None
+        out = self._stack_forward(batch, kv, ())
+        if out is None:
+            return None
+        hidden, logits = torch.ops.tpserve.decoder_head(out[0], self.norm.weight, self.norm.eps,
+                                                        self.lm_head.weight)
+        return logits, hidden
+
+    def _plain_head(self) -> bool:
+        """The final norm and the head are this module's plain ones (a model that scales or
+        caps its logits overrides ``logits``)."""
+        return (type(self).logits is DecoderLM.logits and type(self.norm) is RMSNorm
+                and type(self.lm_head) is ParallelLMHead)
+
+    def _stack_forward(self, batch: ForwardBatch, kv: list[KVPair], aux_layers: tuple[int, ...]
+                       ) -> tuple[torch.Tensor, list[torch.Tensor]] | None:
+        """The native stack's (un-normed output, auxiliary states), or None (nothing run)
+        where it does not take this step."""
         stack = self.stack
         if stack is None or not DecoderStack.fits(batch.input_ids):
-            return super().forward(batch, kv, aux_layers)
+            return None
         x = self.embed_tokens(batch.input_ids)
         rotary = self.rotary.at(batch.positions, x.dtype)
         meta, spec = self.attention.prepare(batch.attn).meta, self.attention.spec
         batch.host_work.run()  # beside the native stack, which holds no GIL (HostWork)
         # The auxiliary states in increasing layer order, as the layer loop returns them.
         at = sorted({i for i in aux_layers if i <= self.cfg.num_layers})
-        x, aux = stack.run(x, rotary.cos, rotary.sin, meta, spec.window, spec.scale, kv, at)
-        return self.norm(x), aux
+        return stack.run(x, rotary.cos, rotary.sin, meta, spec.window, spec.scale, kv, at)
 
     def bind_attention(self, batch: ForwardBatch) -> Attend:
         return bind(self.attention, batch.attn)  # the per-step preparation, done once
