@@ -11,6 +11,7 @@ from tests.checkpoints import make_checkpoint
 from tests.harness import build_engine, make_request, run_all
 from tpserve.engine.prefix_cache import PrefixCache
 from tpserve.engine.sampling_params import SamplingParams
+from tpserve.layers.linear import NATIVE_MATMUL_ROWS
 
 PS = 4
 
@@ -100,6 +101,39 @@ def test_outputs_unchanged_by_prefix_hits(ckpt: Path) -> None:
     assert reqs[0].stats["cached_tokens"] >= 12 and reqs[2].stats["cached_tokens"] == 8
     stats = engine.scheduler.cache.stats
     assert 0 < stats.hit_rate < 1
+
+
+@pytest.fixture(scope="module")
+def wide(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Wide enough (k = 512) that two summation orders of a row seldom round alike."""
+    return make_checkpoint(tmp_path_factory.mktemp("m") / "wide", "llama", hidden=512,
+                           intermediate=1024, heads=8, kv_heads=4)
+
+
+def test_long_prompt_logprobs_bit_equal_on_a_hit(wide: Path) -> None:
+    """bf16, a prompt of several chunks' worth of rows: the first run computes it in 64-row
+    chunks, a hit recomputes only its last page in a small step. Every token's
+    log-probability is bit-equal to the run without the cache: each projection row rounds the
+    same whatever rows share its call (on AVX512-BF16 CPUs ATen used to take the steps above
+    16 rows, and a hit's tail then differed in bits). On AMX CPUs ATen keeps the steps above
+    8 rows (tpserve/layers/linear.py), so there this holds for prompts within 8 rows only."""
+    if NATIVE_MATMUL_ROWS < 64:
+        pytest.skip(f"this CPU's matmul above {NATIVE_MATMUL_ROWS} rows is ATen's (AMX)")
+    prompt = [(7 * i + 3) % 90 + 5 for i in range(150)]
+    params = SamplingParams(max_new_tokens=10, temperature=0.0, ignore_eos=True, logprobs=1)
+
+    def logprobs(engine) -> list[list[float]]:  # type: ignore[no-untyped-def]
+        reqs = [make_request(f"r{i}", prompt, params) for i in range(2)]
+        run_all(engine, reqs[:1])
+        run_all(engine, reqs[1:])  # a hit on every full page but the last
+        return [[lp for _, lp, _ in r.logprobs] for r in reqs]
+
+    kw = {"dtype": "bfloat16", "pages": 128, "context_length": 256}
+    ref = logprobs(build_engine(wide, disable_radix_cache=True, **kw))
+    engine = build_engine(wide, **kw)
+    got = logprobs(engine)
+    assert engine.scheduler.cache.stats.hit_rate > 0
+    assert got == ref and ref[0] == ref[1]
 
 
 def test_sampled_outputs_unchanged_by_prefix_hits(ckpt: Path) -> None:

@@ -27,12 +27,19 @@ from tpserve.layers.tp import TPContext, divide
 #     vs 13.3 -> native up to 4 rows would be fastest, but we keep 8: a batch-1 verify of the
 #     default 8-token tree then runs the same kernel as plain decode, so its logits are bit-equal
 #     to plain decode's and greedy speculation stays token-identical (a 0.7-0.9x cost at 5-8
-#     rows, where only verify and small batches land).
+#     rows, where only verify and small batches land). Above 8 rows the AMX gemm is several
+#     times faster, so there a prompt's bits depend on how it was batched (below).
 #   AVX512-BF16 without AMX: 16 rows 10.3 vs 11.9 and 32.9 vs 32.4, 64 rows 34 vs 29 and 113
-#     vs 95 -> native up to 16 rows.
+#     vs 95; on a 2-vCPU AVX-512 EPYC (Zen 4 class, 256 KB chunks) ATen/native 1.00-1.16 up to
+#     16 rows, 0.71-0.81 at 64-512 -> native at any M all the same: every output's bits then
+#     stay independent of how the tokens were batched (a prefix hit's recomputed tail, a
+#     chunked or preempted prompt, decode rows beside a prompt chunk), where with ATen above
+#     16 rows a repeated 128-token prompt's greedy output on the bench model changed at its
+#     115th token on a hit. The cost is small where attention and the rest share the step:
+#     that model's offline 8192-token prefill 1050 vs 1080 tok/s.
 #   AVX2 (Zen 3-class): native 4-5.5x faster at every M from 8 to 64 (h512: 64 rows 29 vs 159
 #     ms), and oneDNN's AVX2 bf16 gemm stays ~9 GFLOP/s at any size -> native at any M.
-AMX_ROWS, AVX512_BF16_ROWS = 8, 16
+AMX_ROWS = 8
 
 
 def native_matmul_rows() -> int:
@@ -41,8 +48,6 @@ def native_matmul_rows() -> int:
     capped = isa != "ALL" and isa != "DEFAULT"
     if torch.cpu._is_amx_tile_supported() and (not capped or "AMX" in isa):
         return AMX_ROWS
-    if torch.cpu._is_avx512_bf16_supported() and (not capped or "BF16" in isa or "AMX" in isa):
-        return AVX512_BF16_ROWS
     return sys.maxsize
 
 
