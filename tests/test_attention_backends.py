@@ -20,12 +20,12 @@ import os
 import subprocess
 import sys
 from collections.abc import Iterator
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
+from launch.machine import machine_info
 from tests.attention_cases import Case, make_case, reference
 from tests.attention_ctypes import NativeKernel
 from tpserve.engine.plan import Layout, build_forward_batch
@@ -141,14 +141,10 @@ def test_q_dtype_other_than_the_cache(backend: str, q_dtype: torch.dtype,
         assert (err <= TORCH_TOL[q_dtype] * (1 + ref.abs())).all()
 
 
-def _cpu_has(flag: str) -> bool:
-    return flag in Path("/proc/cpuinfo").read_text().split()
-
-
 @pytest.mark.parametrize("isa", ["avx2", "avx512"])
 def test_native_isa_paths(isa: str) -> None:
     """paged_attention.c built for one ISA and run through ctypes, every scenario."""
-    if isa == "avx512" and not _cpu_has("avx512f"):
+    if isa == "avx512" and "avx512f" not in machine_info()["flags"]:
         pytest.skip("this CPU has no AVX-512 (its AVX2 path is tested)")
     kernel = NativeKernel(("-mno-avx512f",) if isa == "avx2" else ())
     assert kernel.lanes == (8 if isa == "avx2" else 16)

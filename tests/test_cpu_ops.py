@@ -27,6 +27,7 @@ import pytest
 import torch
 
 from comm_backends.native_build import load_library
+from launch.machine import machine_info
 from tpserve.layers import cpu_ops
 
 OUT = (1, 3, 4, 5, 17, 64)  # weight rows: the 4-row and 2-row tiles and their remainders
@@ -360,15 +361,7 @@ def _bf16_dot(lib: ctypes.CDLL) -> bool:
     return bool(lib.gemm_bf16_dot())
 
 
-def _cpu_has(flag: str) -> bool:
-    try:
-        return any(flag in line.split() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                   if line.startswith("flags"))
-    except OSError:
-        return False
-
-
-@pytest.mark.skipif(not _cpu_has("avx512_bf16"), reason="needs AVX512-BF16")
+@pytest.mark.skipif("avx512_bf16" not in machine_info()["flags"], reason="needs AVX512-BF16")
 def test_bf16_dot_tiles_within_bound_and_the_same_bits_whatever_the_tile() -> None:
     """AVX512-BF16 tiles (the default build here) and the FMA tiles (-DDPBF16=0): each within
     the float64 bound; the dot-product builds, whichever tiles the first x block may use
