@@ -16,10 +16,14 @@
  *
  * bf16 on CPUs with AVX512-BF16 (DPBF16 below) instead: x stays bf16, and each 2 x LANES block
  * of columns is one dot-product instruction into an fp32 accumulator (each lane adds its two
- * exact products), blocks alternating between two accumulators; then the same lane tree, tail
- * and rounding. Every tile uses it, so the bits are still the same whatever the tile, batch or
- * thread count. bf16 subnormal inputs count as zero there (the instruction's DAZ; ATen keeps
- * them).
+ * exact products), blocks alternating between two accumulators, the last partial block (k not
+ * a multiple of 2 x LANES) zero-padded by masked loads; then the same lane tree and rounding.
+ * Every tile uses it, so the bits are still the same whatever the tile, batch or thread count.
+ * bf16 subnormal inputs count as zero there (the instruction's DAZ; ATen keeps them). The
+ * padded block replaced a scalar tail of fmaf's, one dependent chain per output: the demo
+ * target's down projection at TP = 2 (k = 176, a 16-column tail) spent more time in it than
+ * in its 5 vector blocks (8 layers + lm_head, one thread, C loop: 1 x row 56 -> 36 us, 8 rows
+ * 309 -> 209 us).
  *
  * Explicit intrinsics chosen at compile time (-march=native): AVX-512 (16 lanes) or AVX2 + F16C
  * + FMA (8 lanes). Without them the library reports 0 lanes and the caller keeps ATen.
@@ -234,7 +238,7 @@ static void f16_layout(const uint16_t *xh, int64_t k, float *x) {
         for (int r = 0; r < R; r++)                                                           \
             for (int j = 0; j < X; j++) v[j * R + r] = vadd(a0[r][j], a1[r][j]);              \
         store_sums(v, R, X, sums, lds);                                                       \
-        if (c < k) /* tail columns: rare (k is a multiple of 2 x LANES in every model here) */ \
+        if (c < k) /* tail columns one by one (the demo's k = 176 at TP = 2 has 16 here) */    \
             for (int r = 0; r < R; r++)                                                       \
                 for (int j = 0; j < X; j++) {                                                 \
                     float s = sums[j * lds + r];                                              \
@@ -284,18 +288,23 @@ static void f16_layout(const uint16_t *xh, int64_t k, float *x) {
             }                                                                                 \
             c += 2 * LANES;                                                                   \
         }                                                                                     \
+        if (c < k) { /* the last, partial block zero-padded (masked loads read nothing past  \
+                        k), into the accumulator the next full block would have gone to */    \
+            const __mmask32 keep = (__mmask32)((1u << (k - c)) - 1);                         \
+            const int odd = (int)((c / (2 * LANES)) & 1);                                     \
+            for (int r = 0; r < R; r++) {                                                     \
+                const __m512bh wv = (__m512bh)_mm512_maskz_loadu_epi16(keep, w + r * ldw + c); \
+                for (int j = 0; j < X; j++) {                                                 \
+                    const __m512bh xv = (__m512bh)_mm512_maskz_loadu_epi16(keep, x + j * ldx + c); \
+                    if (odd) a1[r][j] = _mm512_dpbf16_ps(a1[r][j], wv, xv);                   \
+                    else a0[r][j] = _mm512_dpbf16_ps(a0[r][j], wv, xv);                       \
+                }                                                                             \
+            }                                                                                 \
+        }                                                                                     \
         vec v[R * X];                                                                         \
         for (int r = 0; r < R; r++)                                                           \
             for (int j = 0; j < X; j++) v[j * R + r] = vadd(a0[r][j], a1[r][j]);              \
         store_sums(v, R, X, sums, lds);                                                       \
-        if (c < k)                                                                            \
-            for (int r = 0; r < R; r++)                                                       \
-                for (int j = 0; j < X; j++) {                                                 \
-                    float s = sums[j * lds + r];                                              \
-                    for (int64_t t = c; t < k; t++)                                           \
-                        s = fmaf(bf16_to_f32(w[r * ldw + t]), bf16_to_f32(x[j * ldx + t]), s); \
-                    sums[j * lds + r] = s;                                                    \
-                }                                                                             \
     }
 #define TILE_bf16(R, X) DEFINE_TILE_DP(R, X)
 #else
