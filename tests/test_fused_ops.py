@@ -66,7 +66,7 @@ def test_add_rms_norm_bits(dtype: torch.dtype, rows: int) -> None:
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rows", ROWS)
-@pytest.mark.parametrize("heads", [(8, 4, 64), (4, 1, 128), (2, 2, 32)])
+@pytest.mark.parametrize("heads", [(8, 4, 64), (4, 1, 128), (2, 2, 32), (8, 8, 16), (2, 1, 6)])
 def test_rotary_qk_bits(dtype: torch.dtype, rows: int, heads: tuple[int, int, int]) -> None:
     hq, hk, d = heads
     qkv = _rand(rows, (hq + 2 * hk) * d, dtype=dtype, scale=2.0, seed=rows + hq)
@@ -76,6 +76,24 @@ def test_rotary_qk_bits(dtype: torch.dtype, rows: int, heads: tuple[int, int, in
     ref_q, ref_k = fused.rotary_qk_reference(qkv, cos, sin, hq, hk, d)
     assert q.shape == (rows, hq, d) and k.shape == (rows, hk, d)
     assert torch.equal(q, ref_q) and torch.equal(k, ref_k)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rotary_qk_special_values_bits(dtype: torch.dtype) -> None:
+    """inf, NaN, signed zeros and values that round at a tie, through both the vector lanes
+    (head_dim 16) and the scalar loop (head_dim 6): the reference's bits, NaNs included."""
+    for d in (16, 6):
+        qkv = _rand(3, 4 * d, dtype=dtype, scale=2.0, seed=d)
+        qkv[0, :4] = torch.tensor([float("inf"), float("-inf"), float("nan"), -0.0])
+        qkv[1, 1] = 1.0 + 2.0 ** -8  # a bf16 tie once multiplied by 1
+        angles = torch.rand(3, 1, d, generator=torch.Generator().manual_seed(d)) * 7
+        cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
+        cos[2, 0, 0] = 1.0
+        q, k = torch.ops.tpserve.rotary_qk(qkv, cos, sin, 2, 1, d)
+        ref_q, ref_k = fused.rotary_qk_reference(qkv, cos, sin, 2, 1, d)
+        bits = torch.int32 if dtype == torch.float32 else torch.int16
+        assert torch.equal(q.contiguous().view(bits), ref_q.contiguous().view(bits))
+        assert torch.equal(k.contiguous().view(bits), ref_k.contiguous().view(bits))
 
 
 def test_rotary_matches_float64_rotation() -> None:
