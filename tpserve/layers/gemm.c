@@ -39,9 +39,9 @@
  * k = 2048 (a 4-row fp32 x block is 32 KB, 8 rows overflow L1): 2 x 4 46, 1 x 8 32. AVX2 (one
  * weight row per tile, 2 accumulators per x row): a 2-vCPU Zen 3, one thread, k = 512, hot,
  * GMAC/s by x rows 1..8: 9, 15, 20, 22, 24, 24-25, 23, 20 (8 rows spill the 16 registers); the
- * bench model's projections + lm_head, 2 threads, five alternating runs, median ms: even
- * blocks of up to 6 (x_block) against blocks of 4, 22.5 vs 27.5 at 16 rows, 72.7 vs 83.4 at
- * 64, 13.6 vs 13.2 at 8 (noise). */
+ * bench model's projections + lm_head, 2 threads, five alternating runs, median ms: blocks
+ * of up to 6 against blocks of 4, 22.5 vs 27.5 at 16 rows, 72.7 vs 83.4 at 64, 13.6 vs 13.2
+ * at 8 (noise). */
 #ifndef XBLOCK
 #if LANES == 16
 #define XBLOCK XPAIR
@@ -50,13 +50,17 @@
 #endif
 #endif
 
-/* Rows in the next x block: the `left` rows are cut into as few blocks of at most XBLOCK as
- * possible, of near-equal size (8 rows as 4 + 4, not 6 + 2: a small block runs the slow narrow
- * tiles). Only which rows share a pass changes, never an output's arithmetic. */
-static inline int x_block(int64_t left) {
-    const int64_t blocks = (left + XBLOCK - 1) / XBLOCK;
-    return (int)((left + blocks - 1) / blocks);
-}
+/* Rows in the next x block: XBLOCK while that many are left, then the rest. Only which rows
+ * share a pass changes, never an output's arithmetic.
+ *
+ * Blocks of near-equal size (5 rows as 3 + 2, 9 as 3 + 3 + 3) used to be the rule, so no
+ * block ran the narrow tiles alone; on the AVX-512 EPYC the full 4-row block is worth more:
+ * ctypes harness, median of 9 alternating rounds, the bench model's projections + lm_head
+ * on 2 threads, greedy / even: 5 rows 1.02x, 6 0.97x, 9 0.92x, 10 0.88x, 13 0.84x, 17
+ * 0.86x; the demo target's TP = 2 shapes on one thread (a verify of a 4-deep chain is 5
+ * rows): 5 rows 0.84x, 6 0.91x, 9 0.87x (a C loop: 5 rows 163 -> 119 us, 6 195 -> 150).
+ * The AVX2 build (-mno-avx512f, same machine, XBLOCK 6): 0.94-1.05x, within the noise. */
+static inline int x_block(int64_t left) { return (int)(left < XBLOCK ? left : XBLOCK); }
 
 #if LANES
 typedef struct {
