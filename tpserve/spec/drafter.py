@@ -481,25 +481,32 @@ class Drafter:
         compacts KV and streams output while it drafts."""
         n = self.cfg.num_draft_tokens
         width = 3 * n + n * n  # the tree's columns
+        # Packed and unpacked through numpy: this collective sits on the step's critical
+        # path on both ranks (the drafting one packs, the others unpack before verify), and
+        # the torch ops (zeros, cat, casts, slices) cost ~60 us a side on the demo pair at
+        # TP = 2 where numpy's take ~10. (Where the tree lives on a GPU it goes through the
+        # host: ``--speculative-draft-ranks one`` is the CPU default, on GPUs only asked for.)
+        device = self.runner.device
         if tree is None:
-            packed = torch.zeros(batch, width + len(self.trees), dtype=torch.float32,
-                                 device=self.runner.device)
+            packed = np.zeros((batch, width + len(self.trees)), dtype=np.float32)
         else:
-            counts = torch.zeros(batch, len(self.trees), dtype=torch.long,
-                                 device=tree.tokens.device)
-            counts[0] = torch.tensor([v - self._trees_sent[key] for key, v in self.trees.items()])
+            counts = np.zeros((batch, len(self.trees)), dtype=np.float32)
+            counts[0] = [v - self._trees_sent[key] for key, v in self.trees.items()]
             self._trees_sent = dict(self.trees)
-            packed = torch.cat((tree.tokens, tree.parents, tree.depths,
-                                tree.mask.reshape(batch, n * n), counts), 1).float()
+            parts = (tree.tokens, tree.parents, tree.depths, tree.mask.reshape(batch, n * n))
+            packed = np.concatenate([t.cpu().numpy() for t in parts] + [counts], axis=1,
+                                    dtype=np.float32)
         assert self.runner.comm is not None
-        whole = self.runner.comm.all_reduce(packed)
+        whole = self.runner.comm.all_reduce(torch.from_numpy(packed).to(device))
         if tree is not None:  # the sum is this rank's own tree: no need to unpack it
             return tree
-        for key, change in zip(self.trees, whole[0, width:].tolist(), strict=True):
+        summed = whole.cpu().numpy()
+        for key, change in zip(self.trees, summed[0, width:].tolist(), strict=True):
             self.drafting_trees[key] += int(change)
-        whole = whole[:, :width].long()
-        return DraftTree(whole[:, :n], whole[:, n : 2 * n], whole[:, 2 * n : 3 * n],
-                         whole[:, 3 * n :].reshape(batch, n, n) != 0)
+        ints = summed[:, :width].astype(np.int64)
+        nodes = torch.from_numpy(ints).to(device)
+        mask = torch.from_numpy(ints[:, 3 * n :].reshape(batch, n, n) != 0).to(device)
+        return DraftTree(nodes[:, :n], nodes[:, n : 2 * n], nodes[:, 2 * n : 3 * n], mask)
 
     def tree_counts(self) -> dict[str, int]:
         """Trees grown, by how: this rank's own, or where another rank drafts for all, that
