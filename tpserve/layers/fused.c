@@ -208,27 +208,27 @@ static inline __attribute__((always_inline)) void rotate_head_vec(
 #define rotate_head_vec rotate_head
 #endif
 
+/* One head, by the vector lanes where they apply (the choice is the same for every head). */
+static inline __attribute__((always_inline)) void rotate_any(int vector, const void *src,
+                                                             int64_t s0, const void *cos,
+                                                             const void *sin, int64_t c0,
+                                                             void *dst, int64_t d0, int64_t d,
+                                                             int dt) {
+    if (vector) rotate_head_vec(src, s0, cos, sin, c0, dst, d0, d, dt);
+    else rotate_head(src, s0, cos, sin, c0, dst, d0, d, dt);
+}
+
 static inline __attribute__((always_inline)) void rotary_rows(const rotary_job *j, int64_t r0,
                                                               int64_t r1, int dt) {
     const int64_t d = j->head_dim;
-    if (ROT_VECTOR(d, dt)) {
-        for (int64_t r = r0; r < r1; r++) {
-            for (int64_t h = 0; h < j->q_heads; h++)
-                rotate_head_vec(j->qkv, r * j->ldqkv + h * d, j->cos, j->sin, r * j->ldcs, j->q,
-                                (r * j->q_heads + h) * d, d, dt);
-            for (int64_t h = 0; h < j->kv_heads; h++)
-                rotate_head_vec(j->qkv, r * j->ldqkv + (j->q_heads + h) * d, j->cos, j->sin,
-                                r * j->ldcs, j->k, (r * j->kv_heads + h) * d, d, dt);
-        }
-        return;
-    }
+    const int vector = ROT_VECTOR(d, dt);
     for (int64_t r = r0; r < r1; r++) {
         for (int64_t h = 0; h < j->q_heads; h++)
-            rotate_head(j->qkv, r * j->ldqkv + h * d, j->cos, j->sin, r * j->ldcs, j->q,
-                        (r * j->q_heads + h) * d, d, dt);
+            rotate_any(vector, j->qkv, r * j->ldqkv + h * d, j->cos, j->sin, r * j->ldcs, j->q,
+                       (r * j->q_heads + h) * d, d, dt);
         for (int64_t h = 0; h < j->kv_heads; h++)
-            rotate_head(j->qkv, r * j->ldqkv + (j->q_heads + h) * d, j->cos, j->sin,
-                        r * j->ldcs, j->k, (r * j->kv_heads + h) * d, d, dt);
+            rotate_any(vector, j->qkv, r * j->ldqkv + (j->q_heads + h) * d, j->cos, j->sin,
+                       r * j->ldcs, j->k, (r * j->kv_heads + h) * d, d, dt);
     }
 }
 
