@@ -97,7 +97,7 @@ def test_a_row_gets_the_same_bits_in_any_call(dtype: torch.dtype) -> None:
     w = torch.randn(37, 515, generator=gen).to(dtype)
     x = torch.randn(17, 515, generator=gen).to(dtype)
     full = torch.ops.tpserve.matmul(x, w)
-    for i in range(17):  # x rows alone vs in a batch of 17 (AVX2: 6, 6, 5; AVX-512: 4, 4, 4, 4, 1)
+    for i in range(17):  # x rows alone vs in a batch of 17 (AVX2 and AVX-512: 6, 6, 5)
         assert torch.equal(torch.ops.tpserve.matmul(x[i:i + 1], w), full[i:i + 1])
     for i, n in [(0, 2), (1, 3), (5, 5), (3, 9)]:  # blocks of 2 and 3 rows, other groupings
         assert torch.equal(torch.ops.tpserve.matmul(x[i:i + n], w), full[i:i + n])
@@ -365,10 +365,11 @@ def _bf16_dot(lib: ctypes.CDLL) -> bool:
 def test_bf16_dot_tiles_within_bound_and_the_same_bits_whatever_the_tile() -> None:
     """AVX512-BF16 tiles (the default build here) and the FMA tiles (-DDPBF16=0): each within
     the float64 bound; the dot-product builds, whichever tiles the first x block may use
-    (COLD_PAIRS, PAIR_XS), give the same bits at any thread count, and a row alone equals the
-    row in the batch."""
+    (COLD_PAIRS, PAIR_XS, XPAIR), give the same bits at any thread count, and a row alone
+    equals the row in the batch."""
     dot = {name: _gemm_build(*flags)[0] for name, flags in (
-        ("default", ()), ("cold pairs", ("-DCOLD_PAIRS=1",)), ("no pairs", ("-DPAIR_XS=1",)))}
+        ("default", ()), ("cold pairs", ("-DCOLD_PAIRS=1",)), ("no pairs", ("-DPAIR_XS=1",)),
+        ("2 x 4 tiles", ("-DXPAIR=4",)))}
     fma = _gemm_build("-DDPBF16=0")[0]
     assert all(_bf16_dot(lib) for lib in dot.values()) and not _bf16_dot(fma)
     gen = torch.Generator().manual_seed(21)

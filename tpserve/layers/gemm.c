@@ -54,7 +54,7 @@
  * share a pass changes, never an output's arithmetic.
  *
  * Blocks of near-equal size (5 rows as 3 + 2, 9 as 3 + 3 + 3) used to be the rule, so no
- * block ran the narrow tiles alone; on the AVX-512 EPYC the full 4-row block is worth more:
+ * block ran the narrow tiles alone; on the AVX-512 EPYC the full block is worth more (4 rows then):
  * ctypes harness, median of 9 alternating rounds, the bench model's projections + lm_head
  * on 2 threads, greedy / even: 5 rows 1.02x, 6 0.97x, 9 0.92x, 10 0.88x, 13 0.84x, 17
  * 0.86x; the demo target's TP = 2 shapes on one thread (a verify of a 4-deep chain is 5

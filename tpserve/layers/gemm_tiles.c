@@ -321,12 +321,25 @@ static void f16_layout(const uint16_t *xh, int64_t k, float *x) {
 #endif
 
 /* The tiles gemm.c uses. One x row: ROWS weight rows (STREAM_TILE). Several x rows: pairs of
- * weight rows against up to XPAIR x rows (2 x 2 x XPAIR accumulators: 16 of the 32 AVX-512
- * registers at XPAIR = 4), and single weight rows against up to XMAX x rows for an odd row out
- * or a longer block. */
+ * weight rows against up to XPAIR x rows (2 x 2 x XPAIR accumulators: 24 of the 32 AVX-512
+ * registers at XPAIR = 6, beside 4 weight and 2 x vectors), and single weight rows against up
+ * to XMAX x rows for an odd row out or a longer block. */
 #define XMAX 8
-#define XPAIR 4
-/* The largest x block the 2-row tiles take. AVX-512 has 32 vector registers: a 2 x 4 tile's 16
+/* 6 rather than 4: each weight vector loaded serves 6 x rows. The AVX-512 EPYC (ctypes
+ * harness, median of 9 alternating rounds, 2 x 6 / 2 x 4 time): the bench model's projections
+ * + lm_head on 2 threads 0.81x at 6 x rows, 0.92-0.95x at 8, 0.89-0.96x at 16, 0.95x at 32,
+ * 0.96-0.97x at 64; one thread 0.93x at 16, 0.96x at 64; the FMA tiles (-DDPBF16=0) 0.83x
+ * at 6, 0.95x at 8 and 16, 0.94x at 64; the demo target's TP = 2 shapes on one thread 0.93x
+ * at 5 rows, 0.86x at 6, 0.92x at 8; large k (4096 x 1024 and 14336 x 512 projections, 2
+ * threads) 0.97-0.99x at 8-16 rows, 0.89-0.93x at 32-64, the FMA tiles 0.98-1.04x at 8-16
+ * (6 fp32 x rows of 14336 columns are 344 KB) and 0.95x at 32-64. 2 x 5 tiles: between. */
+#ifndef XPAIR
+#define XPAIR 6
+#endif
+#if XPAIR < 2 || XPAIR > 6
+#error "XPAIR: the 2-row tiles exist for 2 to 6 x rows"
+#endif
+/* The largest x block the 2-row tiles take. AVX-512 has 32 vector registers: a 2 x 6 tile's 24
  * accumulators fit beside its weight and x vectors. AVX2 has 16, where they spill: on a 2-vCPU
  * Zen 3 (C harness, the bench model's projections + lm_head, 2 threads, median of 9 passes)
  * one weight row against blocks of 4 x rows ran 5.3 / 5.6 / 9.6 / 16.2 / 74.0 ms at 2 / 4 / 8
@@ -363,11 +376,14 @@ typedef void (*tile_fn)(const uint16_t *, int64_t, const float *, int64_t, int64
     TILE_##FMT(2, 2)                                                                          \
     TILE_##FMT(2, 3)                                                                          \
     TILE_##FMT(2, 4)                                                                          \
+    TILE_##FMT(2, 5)                                                                          \
+    TILE_##FMT(2, 6)                                                                          \
     static const tile_fn one_row_tiles_##FMT[XMAX + 1] = {                                    \
         0, tile_##FMT##_1_1, tile_##FMT##_1_2, tile_##FMT##_1_3, tile_##FMT##_1_4,            \
         tile_##FMT##_1_5, tile_##FMT##_1_6, tile_##FMT##_1_7, tile_##FMT##_1_8};              \
-    static const tile_fn two_row_tiles_##FMT[XPAIR + 1] = {                                   \
-        0, 0, tile_##FMT##_2_2, tile_##FMT##_2_3, tile_##FMT##_2_4};
+    static const tile_fn two_row_tiles_##FMT[7] = {                                           \
+        0, 0, tile_##FMT##_2_2, tile_##FMT##_2_3, tile_##FMT##_2_4, tile_##FMT##_2_5,         \
+        tile_##FMT##_2_6};
 DEFINE_TILES(bf16)
 DEFINE_TILES(f16)
 #endif
