@@ -22,9 +22,6 @@
 #endif
 #include <math.h>
 #include <stdint.h>
-#if defined(__AVX2__)
-#include <immintrin.h>
-#endif
 
 #include "half.h"
 
@@ -155,21 +152,9 @@ static inline __m256 rot_load(const void *p, int64_t i, int dt) {
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
 }
 
-/* f32_to_bf16 per lane, as 32-bit lanes holding the bf16 bits in their low half. */
-static inline __m256i rot_bf16_bits(__m256 v) {
-    const __m256i u = _mm256_castps_si256(v);
-    const __m256i top = _mm256_srli_epi32(u, 16);
-    const __m256i even = _mm256_srli_epi32(
-        _mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7FFF)),
-                         _mm256_and_si256(top, _mm256_set1_epi32(1))), 16);
-    const __m256i nan = _mm256_cmpgt_epi32(_mm256_and_si256(u, _mm256_set1_epi32(0x7FFFFFFF)),
-                                           _mm256_set1_epi32(0x7F800000));
-    return _mm256_blendv_epi8(even, _mm256_or_si256(top, _mm256_set1_epi32(0x40)), nan);
-}
-
 static inline __m256 rot_round(__m256 v, int dt) {
     if (dt == FUSED_F32) return v;
-    return _mm256_castsi256_ps(_mm256_slli_epi32(rot_bf16_bits(v), 16));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(f32x8_to_bf16_bits(v), 16));
 }
 
 static inline void rot_store(void *p, int64_t i, __m256 v, int dt) {
@@ -177,7 +162,7 @@ static inline void rot_store(void *p, int64_t i, __m256 v, int dt) {
         _mm256_storeu_ps((float *)p + i, v);
         return;
     }
-    const __m256i b = rot_bf16_bits(v);
+    const __m256i b = f32x8_to_bf16_bits(v);
     _mm_storeu_si128((__m128i *)((uint16_t *)p + i),
                      _mm_packus_epi32(_mm256_castsi256_si128(b), _mm256_extracti128_si256(b, 1)));
 }

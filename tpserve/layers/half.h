@@ -1,7 +1,8 @@
 /* Scalar conversions between fp32 and the 16-bit formats tpserve's kernels read and write:
  * bf16 rounded to nearest-even with NaN kept quiet (what torch's .to(bfloat16) does), fp16
- * through the compiler's _Float16. Shared by gemm_tiles.c and attention/attn_simd.h so the
- * matmul and the attention kernel round identically. */
+ * through the compiler's _Float16; and, with AVX2, bf16 rounding of eight lanes. Shared by
+ * gemm_tiles.c, fused.c and attention/attn_simd.h so the matmul, the fused ops and the
+ * attention kernel round identically. */
 #ifndef TPSERVE_HALF_H
 #define TPSERVE_HALF_H
 #include <stdint.h>
@@ -33,5 +34,21 @@ static inline uint16_t f32_to_f16(float f) {
     memcpy(&h, &v, sizeof h);
     return h;
 }
+
+#if defined(__AVX2__)
+#include <immintrin.h>
+/* f32_to_bf16 of eight lanes at once (nearest-even, NaN quiet), each result in the low half of
+ * its 32-bit lane: the attention kernel's AVX2 stores and the fused rotary round through it. */
+static inline __m256i f32x8_to_bf16_bits(__m256 v) {
+    const __m256i u = _mm256_castps_si256(v);
+    const __m256i top = _mm256_srli_epi32(u, 16);
+    const __m256i even = _mm256_srli_epi32(
+        _mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7FFF)),
+                         _mm256_and_si256(top, _mm256_set1_epi32(1))), 16);
+    const __m256i nan = _mm256_cmpgt_epi32(_mm256_and_si256(u, _mm256_set1_epi32(0x7FFFFFFF)),
+                                           _mm256_set1_epi32(0x7F800000));
+    return _mm256_blendv_epi8(even, _mm256_or_si256(top, _mm256_set1_epi32(0x40)), nan);
+}
+#endif
 
 #endif

@@ -167,14 +167,7 @@ static inline void load_pair(const void *src, int dtype, vf *lo, vf *hi) {
         *hi = _mm256_loadu_ps((const float *)src + LANES);
     }
 }
-static inline __m256i round_bf16(vf x) {
-    const __m256i u = _mm256_castps_si256(x);
-    const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
-    const __m256i r = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7FFF)), odd), 16);
-    const __m256i nan = _mm256_cmpgt_epi32(_mm256_and_si256(u, _mm256_set1_epi32(0x7FFFFFFF)),
-                                           _mm256_set1_epi32(0x7F800000));
-    return _mm256_blendv_epi8(r, _mm256_or_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(0x40)), nan);
-}
+static inline __m256i round_bf16(vf x) { return f32x8_to_bf16_bits(x); }
 static inline void store_pair(void *dst, int dtype, vf lo, vf hi) {
     if (dtype == ATTN_BF16) {
         _mm256_storeu_si256((__m256i *)dst, _mm256_or_si256(round_bf16(lo), _mm256_slli_epi32(round_bf16(hi), 16)));
