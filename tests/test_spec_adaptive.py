@@ -878,3 +878,53 @@ def drive_one(chooser: AdaptiveChooser, s: Setting, batch: int, rng: random.Rand
     chooser.observe(s, batch, ms, ms - draft, draft,
                     batch + sum(len(a.nodes) - 1 for a in accs))
     chooser.observe_accepts(s, accs)
+
+
+def run_single_stream(chooser: AdaptiveChooser, total: int, slow_until: int,
+                      rng: random.Random) -> list[Setting]:
+    """Batch 1, a new 32-step request at a time, speculation timed 1.2x its cost over the
+    first ``slow_until`` steps (a fresh server's slow start: below plain decoding, but not
+    so far below that its re-measurement is due on that ground, ``_due``); each step's
+    setting."""
+    runs, followed = [], True
+    for step in range(total):
+        if step % 32 == 0:  # a new request: is it followed?
+            followed = chooser.worth_following(1)
+        if not followed:
+            runs.append(chooser.step_aside(1))
+            ms = 0.8 * true_step_ms(OFF, 1) * (1 + rng.uniform(-0.03, 0.03))
+            chooser.observe(OFF, 1, ms, ms, 0.0, 1, fed=False)
+            continue
+        s = chooser.choose(1)
+        runs.append(s)
+        slow = 1.2 if step < slow_until and not s.off else 1.0
+        ms = slow * true_step_ms(s, 1) * (1 + rng.uniform(-0.03, 0.03))
+        accs = [] if s.off else accepted(s, 1, rng)
+        draft = 0.0 if s.off else slow * s.steps * (1.5 + 0.6 * s.topk)
+        chooser.observe(s, 1, ms, ms - draft - 0.5 * (not s.off), draft,
+                        1 + sum(len(a.nodes) - 1 for a in accs))
+        if accs:
+            chooser.observe_accepts(s, accs)
+    return runs
+
+
+@pytest.mark.parametrize("wait", [None, 4096])
+def test_batch_one_recovers_from_speculation_timed_in_a_slow_start(wait: int | None) -> None:
+    """Speculation wins at batch 1 on the fake machine (the tree ~1.17x plain decoding
+    unfollowed) but is timed 1.2x slower over a fresh server's first steps, so new requests
+    stop being followed. They are followed again after ``refollow_single`` steps (doubling
+    while plain still wins), and speculation is back long before the batch-16 wait
+    (``refollow_every``, checked by the 4096 case) would have let it: most steps from the
+    1000th to the 4000th speculate (with the long wait, next to none)."""
+    cfg = AdaptiveConfig() if wait is None else AdaptiveConfig(refollow_single=wait)
+    # The tree alone (as with captured shapes): a chain chosen early and then measured far
+    # below the best would be re-measured on that ground (``_due``) and hide the wait.
+    chooser = AdaptiveChooser(TREE, candidates(TREE, 8, shapes_fixed=True), cfg)
+    runs = run_single_stream(chooser, 6_000, 600, random.Random(3))
+    assert sum(s.off for s in runs[:600]) > 300  # the premise: the slow start lost
+    late = runs[1_000:4_000]
+    share = sum(not s.off for s in late) / len(late)
+    if wait is None:
+        assert share > 0.8, (share, chooser.snapshot())
+    else:
+        assert share < 0.2, share  # the long wait: still plain

@@ -83,6 +83,7 @@ class AdaptiveConfig:
     explore_steps: int = 3  # steps each anchor runs at a bucket before predictions there
     refresh_every: int = 256  # steps at a bucket between one-step re-measurements of anchors
     refollow_every: int = 4096  # steps after which new requests are followed to re-measure
+    refollow_single: int = 256  # the same at batch 1 (``refollow_wait``)
     refollow_doublings: int = 3  # that wait doubles per re-measurement plain still won, up to 8x
     refresh_within: float = 0.25  # settings this close to the best are re-measured sooner
     quiet_steps: int = 16  # most steps between two checks for a due re-measurement
@@ -326,7 +327,7 @@ class AdaptiveChooser:
         cost.last_step = self.steps
         if not setting.off:
             last = self._spec_last.get(bucket)
-            if last is not None and self.steps - last > self.cfg.refollow_every:
+            if last is not None and self.steps - last > self.refollow_wait(bucket):
                 self._refollows[bucket] = self._refollows.get(bucket, 0) + 1
             self._spec_last[bucket] = self.steps
 
@@ -501,7 +502,7 @@ class AdaptiveChooser:
         free = self._unfollowed(bucket)
         plain = self.predict(bucket, OFF)  # unfollowed where measured, never under ``off``
         if free is not None and plain is not None \
-                and self.steps - free.last_step <= self.cfg.refollow_every:
+                and self.steps - free.last_step <= self.refollow_wait(bucket):
             return max(spec) >= plain * margin
         # Not known here: where speculation could lose to it, new requests go unfollowed
         # once to measure it (a probe: they decode plainly). The fed plain steps (``off``)
@@ -608,9 +609,21 @@ class AdaptiveChooser:
         return mine is not None and best is not None and (
             mine < best * (1 - self.cfg.refresh_within))
 
+    def refollow_wait(self, bucket: int) -> int:
+        """Steps without speculation at ``bucket`` before new requests there are followed
+        again to re-measure it (``_refollow_due``, doubling per re-measurement plain won).
+
+        Long where a batch is many requests: following them feeds the whole batch (see
+        ``_refollow_due``). At batch 1 it is one request's few probe steps, and a long wait
+        is a trap: a fresh demo pair timed its tree at 2.75 ms a step over its first 12
+        requests (~1.5 ms warm) against plain at 0.9, let new requests go unfollowed, and
+        served the next 12 at 0.91x of a plain server, plain decoding for 1952 steps with
+        2100 more to wait."""
+        return self.cfg.refollow_single if bucket == 1 else self.cfg.refollow_every
+
     def _refollow_due(self, bucket: int) -> bool:
         """Whether speculation at ``bucket`` has gone unmeasured long enough that new requests
-        are followed to re-measure it: ``refollow_every`` steps after any speculative setting
+        are followed to re-measure it: ``refollow_wait`` steps after any speculative setting
         last ran there, twice that after each such re-measurement plain decoding still led
         (up to ``refollow_doublings`` times).
 
@@ -623,7 +636,7 @@ class AdaptiveChooser:
         if last is None:
             return False
         doublings = min(self._refollows.get(bucket, 0), self.cfg.refollow_doublings)
-        return self.steps - last > self.cfg.refollow_every << doublings
+        return self.steps - last > self.refollow_wait(bucket) << doublings
 
     def _due(self, bucket: int, setting: Setting, cost: Costs) -> bool:
         """Whether speculative ``setting`` needs new requests followed at ``bucket`` to be
@@ -645,7 +658,7 @@ class AdaptiveChooser:
             return False
         if not self._far(bucket, setting, self._best(bucket)):
             return False
-        return waited > self._backed_off(cost, self.cfg.refollow_every
+        return waited > self._backed_off(cost, self.refollow_wait(bucket)
                                          << self.cfg.refollow_doublings)
 
     def _best(self, bucket: int) -> float | None:
