@@ -502,7 +502,7 @@ class AdaptiveChooser:
         free = self._unfollowed(bucket)
         plain = self.predict(bucket, OFF)  # unfollowed where measured, never under ``off``
         if free is not None and plain is not None \
-                and self.steps - free.last_step <= self.refollow_wait(bucket):
+                and self.steps - free.last_step <= self.cfg.refollow_every:
             return max(spec) >= plain * margin
         # Not known here: where speculation could lose to it, new requests go unfollowed
         # once to measure it (a probe: they decode plainly). The fed plain steps (``off``)
