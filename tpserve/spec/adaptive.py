@@ -82,6 +82,7 @@ class AdaptiveConfig:
     decide_every: int = 4  # steps between two judgements of a settled setting
     explore_steps: int = 3  # steps each anchor runs at a bucket before predictions there
     refresh_every: int = 256  # steps at a bucket between one-step re-measurements of anchors
+    single_probe_steps: int = 2  # timed steps a batch-1 probe runs however it looks (_probing)
     refollow_every: int = 4096  # steps after which new requests are followed to re-measure
     refollow_single: int = 256  # the same at batch 1 (``refollow_wait``)
     refollow_doublings: int = 3  # that wait doubles per re-measurement plain still won, up to 8x
@@ -728,9 +729,10 @@ class AdaptiveChooser:
         ``margin`` faster than the setting in force (one step timed on a machine this noisy
         is no grounds to switch, and one that looks slower is left at once).
 
-        At batch 1 it runs two timed steps, whatever the first says: there a probe costs a
-        request a step or two, and one step timed on this VM (steps swing 10-20%) decided
-        whether speculation came back. Left after that step, a re-follow
+        At batch 1 it runs ``single_probe_steps`` (two) timed steps, whatever the first
+        says: there a probe costs a request a step or two, and one step timed on this VM
+        (steps swing 10-20%) decided whether speculation came back. Left after that step, a
+        re-follow
         (``_refollow_due``) found plain decoding ahead again and doubled its wait: on the
         fake machine of ``test_batch_one_recovers_from_speculation_timed_in_a_slow_start``,
         over 20 seeds, one never speculated again and one did in only 59% of steps 1000 to
@@ -742,7 +744,7 @@ class AdaptiveChooser:
             return False
         # The switch step is not timed (``observe``): judged after one step of its own (two
         # at batch 1).
-        return (timed == 0 or (bucket == 1 and timed < 2)
+        return (timed == 0 or (bucket == 1 and timed < self.cfg.single_probe_steps)
                 or preds[probed] > preds[home] * (1 + self.cfg.margin))
 
     def snapshot(self) -> dict[str, Any]:
