@@ -511,31 +511,64 @@ def test_hopeless_speculation_is_not_explored_further() -> None:
     assert picks[-1] == OFF
 
 
-def test_a_setting_tried_on_the_models_word_is_left_once_measured_slower() -> None:
-    """The cost model predicts the 1-deep chain from the other chains' numbers (the trees
-    here say nothing about chains, and cost 10 ms more than the fake's usual tree, so chains
-    are in contention), but on this fake machine its steps cost 30 ms more:
-    once it has run ``explore_steps`` timed steps (after the untimed switch step) the chooser
-    leaves it, without sitting out the 16-step hold (a request is ~33 steps)."""
-    allowed = candidates(TREE, 8, shapes_fixed=False)
-    slow = Setting(1, 1, 2)
-    chooser = AdaptiveChooser(TREE, allowed)
+SLOW_CHAIN = Setting(1, 1, 2)
+
+
+def picks_with_a_slow_chain(batch: int, steps: int) -> tuple[AdaptiveChooser, list[Setting]]:
+    """``steps`` choices at ``batch`` on the fake machine where the 1-deep chain costs 30 ms
+    a step more than the cost model predicts from the other chains (the trees say nothing
+    about chains and cost 10 ms more than the fake's usual tree, so chains are in
+    contention). Every step is timed (none is marked as a switch)."""
+    chooser = AdaptiveChooser(TREE, candidates(TREE, 8, shapes_fixed=False))
     rng = random.Random(0)
     picks = []
-    for _ in range(310):  # past its one re-measurement (~step 297; at batch 1, 3 steps)
-        s = chooser.choose(1)
+    for _ in range(steps):
+        s = chooser.choose(batch)
         picks.append(s)
-        accs = [] if s.off else accepted(s, 1, rng, branches=False)
-        tokens = 1 + sum(len(a.nodes) - 1 for a in accs)
-        ms = true_step_ms(s, 1) + (30.0 if s == slow else 0.0) + (10.0 if s == TREE else 0.0)
-        draft = 0.0 if s.off else s.steps * (1.5 + 0.6 * s.topk)
-        chooser.observe(s, 1, ms, ms - draft - 0.5 * (not s.off), draft, tokens)
+        accs = [] if s.off else accepted(s, batch, rng, branches=False)
+        tokens = batch + sum(len(a.nodes) - 1 for a in accs)
+        ms = (true_step_ms(s, batch) + (30.0 if s == SLOW_CHAIN else 0.0)
+              + (10.0 if s == TREE else 0.0))
+        draft = 0.0 if s.off else s.steps * (1.5 + 0.6 * batch * s.topk)
+        chooser.observe(s, batch, ms, ms - draft - 0.5 * (not s.off), draft, tokens)
         if accs:
             chooser.observe_accepts(s, accs)
-    first = picks.index(slow)  # it was tried: the model alone ranked it first
-    run = next(i for i in range(first, len(picks)) if picks[i] != slow) - first
-    assert run <= chooser.cfg.explore_steps + 1 < chooser.cfg.hold_steps, picks[first:first + 20]
-    assert picks[-1] != slow and picks.count(slow) <= chooser.cfg.explore_steps + 3
+    return chooser, picks
+
+
+def runs_of(picks: list[Setting], setting: Setting) -> list[tuple[int, int]]:
+    """(first step, length) of each stretch of consecutive ``setting`` picks."""
+    runs: list[tuple[int, int]] = []
+    for i, s in enumerate(picks):
+        if s != setting:
+            continue
+        if runs and sum(runs[-1]) == i:
+            runs[-1] = (runs[-1][0], runs[-1][1] + 1)
+        else:
+            runs.append((i, 1))
+    return runs
+
+
+def test_a_setting_tried_on_the_models_word_is_left_once_measured_slower() -> None:
+    """The cost model ranks the slow 1-deep chain first, but once it has run
+    ``explore_steps`` timed steps the chooser leaves it, without sitting out the 16-step
+    hold (a request is ~33 steps)."""
+    chooser, picks = picks_with_a_slow_chain(1, 310)  # past its re-measurement (~step 297)
+    runs = runs_of(picks, SLOW_CHAIN)  # the first: it was tried on the model's word alone
+    assert runs[0][1] <= chooser.cfg.explore_steps + 1 < chooser.cfg.hold_steps, runs
+    assert picks[-1] != SLOW_CHAIN and picks.count(SLOW_CHAIN) <= chooser.cfg.explore_steps + 3
+
+
+@pytest.mark.parametrize("batch", [1, 2])
+def test_a_re_measurement_that_looks_slower_is_left_after_its_timed_steps(batch: int) -> None:
+    """The slow chain, measured once, is re-measured ``refresh_every`` steps later (a
+    probe). Looking slower, it is left after one timed step; at batch 1 after
+    ``single_probe_steps``, whatever the first said (``_probing``: one step on a noisy
+    machine decided there whether speculation came back)."""
+    chooser, picks = picks_with_a_slow_chain(batch, 700)
+    runs = runs_of(picks, SLOW_CHAIN)
+    assert len(runs) == 2, runs  # tried, then re-measured once
+    assert runs[1][1] == (chooser.cfg.single_probe_steps if batch == 1 else 1), runs
 
 
 def test_prompt_steps_count_against_the_setting_that_runs() -> None:
