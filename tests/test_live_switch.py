@@ -99,10 +99,21 @@ def test_unknown_backend_and_bad_settings_are_400(plain: str) -> None:
     assert r.status_code == 400
 
 
+def profiled_run(url: str) -> dict:
+    """The profile of 32 streamed tokens from freshly reset statistics."""
+    admin(url, allreduce="shm", reset_stats=True)
+    stream(url, "import ", 32)
+    return httpx.get(url + "/get_server_info", timeout=30).json()["profile"]
+
+
 def test_profiler_accounts_for_step_time_and_allreduces(plain: str) -> None:
-    admin(plain, allreduce="shm", reset_stats=True)
-    stream(plain, "import ", 32)
-    prof = httpx.get(plain + "/get_server_info", timeout=30).json()["profile"]
+    # Coverage is a ratio of times on a shared machine: one preemption between two phases
+    # of a ~35 ms run moves it by 10% (0.877 in a CI run). A phase left out or counted twice
+    # shows in every run, such a hiccup in one: up to three runs.
+    for _ in range(3):
+        prof = profiled_run(plain)
+        if 0.9 <= prof["phase_coverage"] <= 1.1:
+            break
     assert prof["steps"] >= 32
     assert 0.9 <= prof["phase_coverage"] <= 1.1, prof
     phases = prof["phases"]
