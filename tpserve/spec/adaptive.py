@@ -727,25 +727,27 @@ class AdaptiveChooser:
         """Whether the setting being re-measured runs another step: while it has fewer than
         ``explore_steps`` steps timed since the re-measurement began and is predicted
         ``margin`` faster than the setting in force (one step timed on a machine this noisy
-        is no grounds to switch, and one that looks slower is left at once).
-
-        At batch 1 it runs ``single_probe_steps`` (two) timed steps, whatever the first
-        says: there a probe costs a request a step or two, and one step timed on this VM
-        (steps swing 10-20%) decided whether speculation came back. Left after that step, a
-        re-follow
-        (``_refollow_due``) found plain decoding ahead again and doubled its wait: on the
-        fake machine of ``test_batch_one_recovers_from_speculation_timed_in_a_slow_start``,
-        over 20 seeds, one never speculated again and one did in only 59% of steps 1000 to
-        4000 (80-99% for every seed with two steps; all ``explore_steps`` did no better
-        there and cost more where probes are frequent)."""
+        is no grounds to switch), and in any case until ``probe_steps`` are timed (then one
+        that looks slower is left at once; the switch step is not timed, ``observe``)."""
         probed, home = self.current, self.probe_from
         timed = table[probed].window_steps if probed in table else 0
         if timed >= self.cfg.explore_steps or probed not in preds or home not in preds:
             return False
-        # The switch step is not timed (``observe``): judged after one step of its own (two
-        # at batch 1).
-        return (timed == 0 or (bucket == 1 and timed < self.cfg.single_probe_steps)
+        return (timed < self.probe_steps(bucket)
                 or preds[probed] > preds[home] * (1 + self.cfg.margin))
+
+    def probe_steps(self, bucket: int) -> int:
+        """Timed steps a re-measurement at ``bucket`` runs whatever they say (``_probing``).
+
+        One, except at batch 1: ``single_probe_steps`` (two). There a probe costs a request
+        a step or two, and one step timed on this VM (steps swing 10-20%) decided whether
+        speculation came back. Left after that step, a re-follow (``_refollow_due``) found
+        plain decoding ahead again and doubled its wait: on the fake machine of
+        ``test_batch_one_recovers_from_speculation_timed_in_a_slow_start``, over 20 seeds,
+        one never speculated again and one did in only 59% of steps 1000 to 4000 (80-99% for
+        every seed with two steps; all ``explore_steps`` did no better there and cost more
+        where probes are frequent)."""
+        return max(1, self.cfg.single_probe_steps) if bucket == 1 else 1
 
     def snapshot(self) -> dict[str, Any]:
         bucket = self.last_bucket
