@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -99,23 +99,33 @@ def test_unknown_backend_and_bad_settings_are_400(plain: str) -> None:
     assert r.status_code == 400
 
 
-def profiled_run(url: str) -> dict:
-    """The profile of 32 streamed tokens from freshly reset statistics."""
-    admin(url, allreduce="shm", reset_stats=True)
-    stream(url, "import ", 32)
-    return httpx.get(url + "/get_server_info", timeout=30).json()["profile"]
+def covered(profile: dict) -> bool:
+    """The profiler's phases add up to its step time, within 10%."""
+    return 0.9 <= profile["phase_coverage"] <= 1.1
+
+
+def info_after(run: Callable[[], None], url: str, tries: int = 3) -> dict:
+    """The server info after ``run()`` (which resets the statistics first), run again up to
+    ``tries`` times until its profile is ``covered``. Coverage is a ratio of times on a
+    shared machine: one preemption between two phases of a ~35 ms run moves it by 10%
+    (0.877 in a CI run). A phase left out or counted twice shows in every run, such a
+    hiccup in one."""
+    for _ in range(tries):
+        run()
+        info = httpx.get(url + "/get_server_info", timeout=30).json()
+        if covered(info["profile"]):
+            break
+    return info
 
 
 def test_profiler_accounts_for_step_time_and_allreduces(plain: str) -> None:
-    # Coverage is a ratio of times on a shared machine: one preemption between two phases
-    # of a ~35 ms run moves it by 10% (0.877 in a CI run). A phase left out or counted twice
-    # shows in every run, such a hiccup in one: up to three runs.
-    for _ in range(3):
-        prof = profiled_run(plain)
-        if 0.9 <= prof["phase_coverage"] <= 1.1:
-            break
+    def run() -> None:
+        admin(plain, allreduce="shm", reset_stats=True)
+        stream(plain, "import ", 32)
+
+    prof = info_after(run, plain)["profile"]
     assert prof["steps"] >= 32
-    assert 0.9 <= prof["phase_coverage"] <= 1.1, prof
+    assert covered(prof), prof
     phases = prof["phases"]
     assert {"schedule", "control", "decode", "sample", "output"} <= set(phases)
     # Each phase is timed once a step, never inside itself (nested, output was counted twice).
@@ -141,17 +151,15 @@ def test_speculation_switch_live_keeps_outputs(spec: str) -> None:
                {"speculative": {"enabled": True, "num_steps": 3, "num_draft_tokens": 4}},
                {"allreduce": "shm"}, {"allreduce": "gloo"}]
     assert run_while(spec, 40, changes) == reference
-    for _ in range(3):  # coverage: up to three runs, as in the profiler test above
+    def run() -> None:
         admin(spec, speculative={"enabled": True, "num_steps": 3, "num_draft_tokens": 4},
               reset_stats=True)
         assert run_while(spec, 40, []) == reference
-        info = httpx.get(spec + "/get_server_info", timeout=30).json()
-        if 0.9 <= info["profile"]["phase_coverage"] <= 1.1:
-            break
+
+    info = info_after(run, spec)
     assert info["active"]["speculative"]["enabled"] is True
     assert info["engine"]["extra"]["spec"]["avg_accept_length"] > 1.5
-    coverage = info["profile"]["phase_coverage"]
-    assert 0.9 <= coverage <= 1.1, info["profile"]
+    assert covered(info["profile"]), info["profile"]
     # --speculative-draft-tp 1 (the default): every rank drafts alone, no collective at all.
     assert info["profile"]["allreduce"].get("draft", {"calls": 0})["calls"] == 0, info["profile"]
     assert info["profile"]["allreduce"]["verify"]["calls"] > 0
