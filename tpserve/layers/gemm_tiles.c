@@ -46,6 +46,15 @@
 
 #include "half.h"
 
+/* The tiles' small helpers must be inlined: out of line, a tile's R x X accumulators go
+ * through memory and the R, X loops are not unrolled. `static inline` alone is a hint, and
+ * cpu_ops.cpp compiles this file inside one large unit, past GCC's growth limit for
+ * inlining, where hints are dropped: store_sums was called out of line by every 2-row tile
+ * (the projections of steps with 2+ rows), and ~40 more lines in draft_tree.cpp pushed it
+ * out of the 1-row tiles too (23% of a draft tree's time in a tight loop). Forced inline,
+ * served 16 streams of the bench model gained 1.03-1.11x (TP = 1, two servers alternating). */
+#define TILE_HELPER static inline __attribute__((always_inline))
+
 #if defined(__AVX512F__)
 #define LANES 16
 typedef __m512 vec;
@@ -53,7 +62,7 @@ typedef __m512 vec;
 #define vadd _mm512_add_ps
 #define vfma _mm512_fmadd_ps
 #define vload _mm512_loadu_ps
-static inline vec f16_vec(const uint16_t *p) {
+TILE_HELPER vec f16_vec(const uint16_t *p) {
     return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p));
 }
 #elif defined(__AVX2__) && defined(__F16C__) && defined(__FMA__)
@@ -63,7 +72,7 @@ typedef __m256 vec;
 #define vadd _mm256_add_ps
 #define vfma _mm256_fmadd_ps
 #define vload _mm256_loadu_ps
-static inline vec f16_vec(const uint16_t *p) {
+TILE_HELPER vec f16_vec(const uint16_t *p) {
     return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
 }
 #else
@@ -115,7 +124,7 @@ static inline vec f16_vec(const uint16_t *p) {
 #if LANES
 /* Sum of the lanes as a fixed pairwise tree: low half + high half, halving each round. In
  * registers (a store and scalar adds per row cost as much as the row's loads for k = 512). */
-static inline float lanes_sum(vec v) {
+TILE_HELPER float lanes_sum(vec v) {
 #if LANES == 16
     __m256 hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1));
     __m256 h = _mm256_add_ps(_mm512_castps512_ps256(v), hi);
@@ -133,7 +142,7 @@ static inline float lanes_sum(vec v) {
  * commutative, so only the pairing matters, and it is lanes_sum's: i + (i + 8), then + 4,
  * then + 2, then + 1. */
 #if LANES == 16
-static inline void lanes_sum4(vec a, vec b, vec c, vec d, float *out) {
+TILE_HELPER void lanes_sum4(vec a, vec b, vec c, vec d, float *out) {
     /* [a.lo256 + a.hi256, b.lo256 + b.hi256] as 128-bit blocks [a0+a2, a1+a3, b0+b2, b1+b3] */
     const vec ab = _mm512_add_ps(_mm512_shuffle_f32x4(a, b, _MM_SHUFFLE(1, 0, 1, 0)),
                                  _mm512_shuffle_f32x4(a, b, _MM_SHUFFLE(3, 2, 3, 2)));
@@ -153,7 +162,7 @@ static inline void lanes_sum4(vec a, vec b, vec c, vec d, float *out) {
 /* The lane sums of a tile's R x X vectors (v[j * R + r]) into sums[j * lds + r]. Each is
  * written where the caller wants it: gathering them in a small array for the caller to copy
  * cost a store and a reload per output (store forwarding), ~15% of an 8-row pass at k = 128. */
-static inline void store_sums(const vec *v, int R, int X, float *sums, int64_t lds) {
+TILE_HELPER void store_sums(const vec *v, int R, int X, float *sums, int64_t lds) {
 #if LANES == 16
     float out[64];
     int i = 0, n = R * X;
@@ -172,7 +181,7 @@ static inline void store_sums(const vec *v, int R, int X, float *sums, int64_t l
  * even column as fp32 and `word & 0xFFFF0000` the odd one, so each load costs two cheap integer
  * ops instead of a port-5 widening (which capped the loop at ~10 GB/s, half the read rate). x is
  * laid out to match: per block of 2*LANES columns, LANES even columns then LANES odd ones. */
-static inline void bf16_pair(const uint16_t *p, vec *even, vec *odd) {
+TILE_HELPER void bf16_pair(const uint16_t *p, vec *even, vec *odd) {
 #if LANES == 16
     __m512i words = _mm512_loadu_si512((const void *)p);
     *even = _mm512_castsi512_ps(_mm512_slli_epi32(words, 16));
@@ -185,7 +194,7 @@ static inline void bf16_pair(const uint16_t *p, vec *even, vec *odd) {
 }
 
 /* fp16 has no such trick: one F16C widening per LANES columns, x in plain order. */
-static inline void f16_pair(const uint16_t *p, vec *even, vec *odd) {
+TILE_HELPER void f16_pair(const uint16_t *p, vec *even, vec *odd) {
     *even = f16_vec(p);
     *odd = f16_vec(p + LANES);
 }
