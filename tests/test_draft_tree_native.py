@@ -153,3 +153,52 @@ def test_native_extend_then_tree_equals_the_python_path(drafts: dict[int, Path],
     for name in ("tokens", "parents", "depths", "mask"):
         assert torch.equal(getattr(fast, name), getattr(slow, name)), name
     assert torch.equal(fast_cache[0], slow_cache[0]) and torch.equal(fast_cache[1], slow_cache[1])
+
+
+@pytest.fixture(scope="module")
+def wide_drafts(tmp_path_factory: pytest.TempPathFactory) -> dict[int, Path]:
+    """Drafts over a 96- and a 300-token vocabulary (top-k of 2-4 then takes both of the
+    CPU kernel's branches: k * 64 above and below the vocabulary)."""
+    root = tmp_path_factory.mktemp("wide")
+    out = {}
+    for vocab in (96, 300):
+        target = make_checkpoint(root / f"t{vocab}", "llama", hidden=64, layers=4, vocab=vocab)
+        out[vocab] = make_draft(root / f"d{vocab}", target)
+    return out
+
+
+@pytest.mark.parametrize("vocab", [96, 300])
+@pytest.mark.parametrize("shape", [(4, 2, 8), (3, 3, 9), (3, 4, 12)])
+def test_native_tree_breaks_ties_like_the_eager_loop(wide_drafts: dict[int, Path], vocab: int,
+                                                     shape: tuple[int, int, int]) -> None:
+    """lm_head rows repeating every 7 tokens: every log-probability is shared by ~vocab / 7
+    tokens, so which of the tied tokens the tree holds, and in which order, is decided by
+    the top-k's tie order alone (the native loop's own top-k against torch.topk)."""
+    _native_or_skip()
+    from tpserve.models.eagle3 import build_eagle3, load_eagle3_config
+
+    hidden, cfg, dtype = 64, SpecConfig(*shape), torch.float32
+    draft = build_eagle3(wide_drafts[vocab], load_eagle3_config(wide_drafts[vocab]),
+                         TPContext.single(), dtype, CPU, 256)
+    head = draft.lm_head.weight.data
+    head.copy_(head[torch.arange(head.shape[0]) % 7])
+    gen = torch.Generator().manual_seed(vocab + cfg.topk)
+    embed = VocabParallelEmbedding(vocab, hidden, TPContext.single(), dtype, CPU)
+    embed.weight.data.copy_(torch.randn(vocab, hidden, generator=gen))
+    committed = [5, 9]
+    start = torch.randn(len(committed), hidden, generator=gen)
+    roots = torch.randint(0, vocab, (len(committed),), generator=gen)
+    table = _pages(committed, cfg.num_steps * cfg.topk, np.random.default_rng(vocab))
+    attn = draft.self_attn
+    slots = (int(table.max()) + 1) * PAGE
+    k0 = torch.randn(slots, attn.kv_heads, attn.head_dim, generator=gen)
+    v0 = torch.randn(slots, attn.kv_heads, attn.head_dim, generator=gen)
+    pages, done = torch.from_numpy(table).long(), torch.tensor(committed, dtype=torch.long)
+    with torch.inference_mode():
+        top = torch.log_softmax(draft.logits(start), -1).topk(cfg.topk, -1).values
+        trees = [draft_tree(draft, embed, (k0.clone(), v0.clone()), start, roots, pages, done,
+                            cfg, PAGE, native=native) for native in (True, False)]
+    assert (top == top[:, :1]).all()  # the root's k best are one tied value
+    fast, slow = trees
+    for name in ("tokens", "parents", "depths", "mask"):
+        assert torch.equal(getattr(fast, name), getattr(slow, name)), name

@@ -24,7 +24,10 @@
 #include <ATen/ops/log_softmax.h>
 #include <ATen/ops/zeros.h>
 
+#include <algorithm>
+#include <cmath>
 #include <numeric>
+#include <utility>
 #include <vector>
 
 namespace {
@@ -194,6 +197,60 @@ at::Tensor take_rows(const at::Tensor &src, const std::vector<int64_t> &rows) {
     return out;
 }
 
+// torch.topk(k, -1) of each row of a contiguous [rows, n] float block: the same indices in
+// the same order, ties included, as this torch's CPU kernel gives (checked against it on
+// tied rows by tests/test_draft_tree_native.py): (value, index) pairs in index order, NaN
+// ranking highest; where k * 64 <= n the first k are put in order by a partial sort, else
+// the k-th is selected and the k - 1 before it are sorted. The op around that kernel (the
+// dispatcher, two output tensors, a fresh n-pair queue per row, whose 16 KB malloc
+// consolidated the allocator's free lists every call) was ~4% of a depth; here the queue is
+// kept for the whole tree.
+class RowTopK {
+  public:
+    void operator()(const float *x, int64_t rows, int64_t n, int64_t k, float *scores,
+                    int64_t *ids) {
+        TORCH_CHECK(k >= 1 && k <= n, "tpserve::draft_tree: top-", k, " of ", n, " values");
+        const First first;
+        queue_.resize(n);
+        for (int64_t r = 0; r < rows; r++) {
+            const float *row = x + r * n;
+            for (int64_t j = 0; j < n; j++) queue_[j] = {row[j], j};
+            if (k * 64 <= n) {
+                std::partial_sort(queue_.begin(), queue_.begin() + k, queue_.end(), first);
+            } else {
+                std::nth_element(queue_.begin(), queue_.begin() + (k - 1), queue_.end(), first);
+                std::sort(queue_.begin(), queue_.begin() + (k - 1), first);
+            }
+            for (int64_t j = 0; j < k; j++) {
+                scores[r * k + j] = queue_[j].first;
+                ids[r * k + j] = queue_[j].second;
+            }
+        }
+    }
+
+  private:
+    using Pair = std::pair<float, int64_t>;
+    // Ranks a before b (NaN highest). Forced inline: this file is part of one large unit
+    // past GCC's inlining growth limit, where a lambda here was called out of line.
+    struct First {
+        __attribute__((always_inline)) bool operator()(const Pair &a, const Pair &b) const {
+            return (std::isnan(a.first) && !std::isnan(b.first)) || a.first > b.first;
+        }
+    };
+    std::vector<Pair> queue_;
+};
+
+// log_softmax(logits).topk(k, -1) as eagle.py computes it: ATen's log_softmax (its bits),
+// then RowTopK into `scores` / `ids`, [rows, k] each.
+void draft_top(const at::Tensor &logits, int64_t k, RowTopK &top, std::vector<float> &scores,
+               std::vector<int64_t> &ids) {
+    const at::Tensor logp = at::log_softmax(logits, -1).contiguous();
+    const int64_t rows = logp.size(0), n = logp.size(1);
+    scores.resize(rows * k);
+    ids.resize(rows * k);
+    top(logp.const_data_ptr<float>(), rows, n, k, scores.data(), ids.data());
+}
+
 // spec/eagle.py's draft loop: the root's top-k, then per depth the beam's midlayer forward,
 // log-softmax over the draft vocabulary and top-k, the k best children (by cumulative score)
 // as the next beam. Floating point runs on the same ATen ops as there (log_softmax, topk, the
@@ -227,8 +284,10 @@ Candidates draft_candidates(
     float *cs = c.scores.mutable_data_ptr<float>();
     int64_t *ct = c.tokens.mutable_data_ptr<int64_t>(), *cp = c.parents.mutable_data_ptr<int64_t>();
 
-    auto [score0, ids0] = at::log_softmax(draft_logits(start, d, eps, vocab), -1).topk(k, -1);
-    const at::Tensor root_score = score0.contiguous(), root_ids = ids0.contiguous();
+    RowTopK top;
+    std::vector<float> top_score, child(batch * kk), next(batch * k);
+    std::vector<int64_t> top_ids, pick(batch * k);
+    draft_top(draft_logits(start, d, eps, vocab), k, top, top_score, top_ids);
     // The beam, [B, k] each: scores, target tokens, candidate index; the hidden rows it
     // continues from; and for every beam node, which temporary nodes (s * k + j) it descends
     // from, as a [B, k, (num_steps - 1) * k] bit table (the attention mask's history part).
@@ -238,8 +297,8 @@ Candidates draft_candidates(
     std::vector<uint8_t> ancestors(batch * k * std::max<int64_t>(width, 1), 0), next_anc(ancestors);
     for (int64_t b = 0; b < batch; b++)
         for (int64_t j = 0; j < k; j++) {
-            const int64_t i = b * k + j, id = root_ids.const_data_ptr<int64_t>()[i];
-            beam_score[i] = root_score.const_data_ptr<float>()[i];
+            const int64_t i = b * k + j, id = top_ids[i];
+            beam_score[i] = top_score[i];
             beam_tokens[i] = to_target(id);
             beam_cand[i] = j;
             rows[i] = b;
@@ -270,15 +329,11 @@ Candidates draft_candidates(
                               scale,     q_heads, kv_heads, head_dim,    narrow};
         at::Tensor out =
             midlayer(d, embed_w, beam_tokens.data(), beam_hidden, k_cache, v_cache, s, eps);
-        auto [top_score_t, top_ids_t] =
-            at::log_softmax(draft_logits(out, d, eps, vocab), -1).topk(k, -1);
-        const at::Tensor top_score = top_score_t.contiguous(), top_ids = top_ids_t.contiguous();
-        const float *ts = top_score.const_data_ptr<float>();
-        const int64_t *ti = top_ids.const_data_ptr<int64_t>();
+        draft_top(draft_logits(out, d, eps, vocab), k, top, top_score, top_ids);
+        const float *ts = top_score.data();
+        const int64_t *ti = top_ids.data();
         // Children of beam node j: cumulative score (one fp32 addition, as in eagle.py),
         // target token, parent candidate; row-major over (j, child) as eagle.py reshapes.
-        at::Tensor child_score = at::empty({batch, kk}, i64.dtype(at::kFloat));
-        float *child = child_score.mutable_data_ptr<float>();
         for (int64_t b = 0; b < batch; b++)
             for (int64_t j = 0; j < k; j++)
                 for (int64_t t = 0; t < k; t++) {
@@ -289,10 +344,9 @@ Candidates draft_candidates(
                     cp[b * total + col] = beam_cand[b * k + j];
                 }
         if (step + 2 < num_steps) {  // the next beam (the last depth's is never used)
-            auto [next_t, pick_t] = child_score.topk(k, -1);
-            const at::Tensor next = next_t.contiguous(), pick = pick_t.contiguous();
-            const float *ns = next.const_data_ptr<float>();
-            const int64_t *pk = pick.const_data_ptr<int64_t>();
+            top(child.data(), batch, kk, k, next.data(), pick.data());
+            const float *ns = next.data();
+            const int64_t *pk = pick.data();
             for (int64_t b = 0; b < batch; b++)
                 for (int64_t j = 0; j < k; j++) {
                     const int64_t i = b * k + j, p = pk[i], parent = b * k + p / k;
