@@ -9,6 +9,7 @@ switches settings on its own stays token-identical to plain greedy decoding.
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -77,14 +78,19 @@ def true_tok_s(s: Setting, batch: int) -> float:
 
 
 def drive(chooser: AdaptiveChooser, batch: int, steps: int, rng: random.Random,
-          noise: float = 0.03) -> list[Setting]:
+          noise: float = 0.03, branches: bool = True,
+          extra_ms: Callable[[Setting], float] = lambda s: 0.0) -> list[Setting]:
+    """``steps`` choices at ``batch`` on the fake machine, each observed as it ran: step time
+    ``true_step_ms`` (+ ``extra_ms``) with +-``noise`` (0: none, and no draw from ``rng``),
+    tokens from ``accepted`` (``branches``: chains known from trees' first branches)."""
     picks = []
     for _ in range(steps):
         s = chooser.choose(batch)
         picks.append(s)
-        accs = [] if s.off else accepted(s, batch, rng)
+        accs = [] if s.off else accepted(s, batch, rng, branches=branches)
         tokens = batch + sum(len(a.nodes) - 1 for a in accs)
-        ms = true_step_ms(s, batch) * (1 + rng.uniform(-noise, noise))
+        jitter = 1 + rng.uniform(-noise, noise) if noise else 1.0
+        ms = (true_step_ms(s, batch) + extra_ms(s)) * jitter
         draft = 0.0 if s.off else s.steps * (1.5 + 0.6 * batch * s.topk)
         chooser.observe(s, batch, ms, ms - draft - 0.5 * (not s.off), draft, tokens)
         if accs:
@@ -520,19 +526,8 @@ def picks_with_a_slow_chain(batch: int, steps: int) -> tuple[AdaptiveChooser, li
     about chains and cost 10 ms more than the fake's usual tree, so chains are in
     contention). Every step is timed (none is marked as a switch)."""
     chooser = AdaptiveChooser(TREE, candidates(TREE, 8, shapes_fixed=False))
-    rng = random.Random(0)
-    picks = []
-    for _ in range(steps):
-        s = chooser.choose(batch)
-        picks.append(s)
-        accs = [] if s.off else accepted(s, batch, rng, branches=False)
-        tokens = batch + sum(len(a.nodes) - 1 for a in accs)
-        ms = (true_step_ms(s, batch) + (30.0 if s == SLOW_CHAIN else 0.0)
-              + (10.0 if s == TREE else 0.0))
-        draft = 0.0 if s.off else s.steps * (1.5 + 0.6 * batch * s.topk)
-        chooser.observe(s, batch, ms, ms - draft - 0.5 * (not s.off), draft, tokens)
-        if accs:
-            chooser.observe_accepts(s, accs)
+    picks = drive(chooser, batch, steps, random.Random(0), noise=0.0, branches=False,
+                  extra_ms=lambda s: 30.0 if s == SLOW_CHAIN else 10.0 if s == TREE else 0.0)
     return chooser, picks
 
 
