@@ -291,7 +291,8 @@ def _ctypes_gemm(lib: ctypes.CDLL, dtype: torch.dtype):  # type: ignore[no-untyp
 def _gemm_build(*flags: str) -> tuple[ctypes.CDLL, int]:
     """gemm.c alone through ctypes, with ``flags`` after the usual ones; (library, lanes)."""
     source = Path(cpu_ops.__file__).with_name("gemm.c")
-    depends = [source.with_name(n) for n in ("gemm_tiles.c", "gemm_pool.c", "half.h")]
+    depends = [source.with_name(n)
+               for n in ("gemm_tiles.c", "gemm_pool.c", "pool_readahead.c", "half.h")]
     return load_library(source, "gemm_lanes", depends, extra_flags=flags)
 
 
@@ -343,6 +344,46 @@ def test_avx512_stream_rows_give_the_same_bits() -> None:
             lib.gemm_set_threads(1)
         assert ((ys[0].double() - x.double() @ w.double().T).abs() <= _bound(x, w)).all()
         assert all(torch.equal(y, ys[0]) for y in ys)
+
+
+def test_pool_claims_from_both_ends_and_reads_ahead_without_changing_bits() -> None:
+    """Helper 0 claims chunks from the end of each job and prefetches the chunks of the jobs it
+    predicts will follow (gemm_pool.c, pool_readahead.c): every chunk is still computed once,
+    with the same bits as one thread, on or off; and once the weights it learnt are freed
+    (their pages unmapped), reading ahead along the stale chain must not fault."""
+    lib, _ = _gemm_build()
+    fn = _ctypes_gemm(lib, torch.bfloat16)
+    gen = torch.Generator().manual_seed(21)
+
+    def step(ws: list[torch.Tensor], x: torch.Tensor) -> list[torch.Tensor]:
+        ys = []
+        for w in ws:
+            rows, cols = w.shape
+            y = torch.full((x.shape[0], rows), float("nan"), dtype=torch.bfloat16)
+            assert fn(w.data_ptr(), cols, x.data_ptr(), cols, x.shape[0], rows, cols,
+                      y.data_ptr(), rows) == 0
+            ys.append(y)
+        return ys
+
+    # a decode step's shapes: fused qkv, o, gate_up, down, and a head, twice (the chain)
+    shapes = [(1024, 512), (512, 512), (2816, 512), (512, 1408)] * 2 + [(4000, 512)]
+    for _round in range(2):
+        ws = [torch.randn(r, c, generator=gen).bfloat16() for r, c in shapes]
+        for m in (1, 3):
+            xs = {c: torch.randn(m, c, generator=gen).bfloat16() for c in (512, 1408)}
+            steps = [(w, xs[w.shape[1]]) for w in ws]
+            lib.gemm_set_threads(1)
+            want = [step([w], x)[0] for w, x in steps]
+            for threads, ends in [(2, 1), (3, 1), (2, 0), (2, 1)]:
+                lib.gemm_set_threads(threads)
+                assert lib.gemm_set_ends(ends) == ends
+                for _ in range(3):  # the chain is learnt in the first, read ahead in the rest
+                    got = [step([w], x)[0] for w, x in steps]
+                    assert all(torch.equal(g, e) for g, e in zip(got, want))
+            for (w, x), y in zip(steps, want):
+                assert ((y.double() - x.double() @ w.double().T).abs() <= _bound(x, w)).all()
+        del ws, steps  # the next round's chain starts from freed buffers
+    lib.gemm_set_threads(1)
 
 
 def _ctypes_matmul(lib: ctypes.CDLL, x: torch.Tensor, w: torch.Tensor, threads: int

@@ -340,6 +340,8 @@ int64_t set_matmul_threads(int64_t threads) {
 
 int64_t matmul_threads() { return gemm_threads(); }
 
+int64_t set_matmul_readahead(bool on) { return gemm_set_ends(on ? 1 : 0); }
+
 // The pool's entry point as an integer, for the paged-attention library (a separate .so): its
 // work items then run on these threads too, so a decode step never waits at an OpenMP
 // fork-join barrier for a thread the OS has not scheduled (see cpu_native.py).
@@ -355,6 +357,7 @@ TORCH_LIBRARY(tpserve, m) {
     m.def("gemm_lanes() -> int", &gemm_vector_lanes);
     m.def("set_matmul_threads(int threads) -> int", &set_matmul_threads);
     m.def("matmul_threads() -> int", &matmul_threads);
+    m.def("set_matmul_readahead(bool on) -> int", &set_matmul_readahead);
     m.def("pool_handle() -> int", &pool_handle);
     m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
     m.def("add_rms_norm(Tensor x, Tensor delta, Tensor weight, float eps) -> (Tensor, Tensor)");

@@ -35,8 +35,8 @@ log = logging.getLogger(__name__)
 
 _SOURCE = Path(__file__).with_name("cpu_ops.cpp")
 _DEPENDS = tuple(Path(__file__).parent / n
-                 for n in ("gemm.c", "gemm_tiles.c", "gemm_pool.c", "half.h", "fused.c",
-                           "argmax.c", "logsumexp.c", "attention/attn_simd.h",
+                 for n in ("gemm.c", "gemm_tiles.c", "gemm_pool.c", "pool_readahead.c", "half.h",
+                           "fused.c", "argmax.c", "logsumexp.c", "attention/attn_simd.h",
                            "decoder_stack.cpp", "draft_tree.cpp"))
 
 

@@ -177,7 +177,10 @@ static int32_t gemm_run(int bf16, const uint16_t *w, int64_t ldw, const uint16_t
         else f16_layout(xh + i * ldx, k, x + i * k);
     }
     gemm_job job = {w, ldw, x, m, rows, k, y, ldy, chunk_rows(rows, k, pool_threads()), bf16};
-    pool_run(gemm_chunk, &job, (rows + job.chunk - 1) / job.chunk);
+    const int64_t chunks = (rows + job.chunk - 1) / job.chunk;
+    /* the weight rows as one buffer, for the pool's read-ahead (packed rows only) */
+    const pool_span span = {(const char *)w, job.chunk * k * 2, rows * k * 2, chunks};
+    pool_run_span(gemm_chunk, &job, chunks, ldw == k ? &span : NULL);
     free(x);
     return 0;
 }
@@ -210,6 +213,10 @@ int32_t gemm_f16(const uint16_t *w, int64_t ldw, const uint16_t *x, int64_t ldx,
 int32_t gemm_set_threads(int32_t threads) { return pool_set_threads(threads); }
 
 int32_t gemm_threads(void) { return pool_threads(); }
+
+/* Whether the pool's first helper claims from the end and reads ahead (gemm_pool.c), for every
+ * later call; returns the setting. */
+int32_t gemm_set_ends(int32_t on) { return pool_set_ends(on); }
 
 /* Lanes per vector step in this build: 0 means no vector path (the caller keeps ATen). */
 int32_t gemm_lanes(void) { return LANES; }

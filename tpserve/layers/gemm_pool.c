@@ -8,7 +8,8 @@
  * against torch's OpenMP runtime, whose spin policy we do not control. The thread count is
  * process state set by gemm_set_threads (the server sets it beside torch.set_num_threads).
  *
- * Chunks are claimed one at a time from a single atomic word, and the caller waits only for
+ * Chunks are claimed one at a time from a single atomic word (the caller and most helpers from
+ * the start, helper 0 from the end: pool_readahead.c says why), and the caller waits only for
  * chunks some thread has claimed, never for a helper to show up: on a machine with more
  * runnable threads than cores a helper may not be scheduled for milliseconds, and waiting for
  * it (a fork-join barrier, as torch's OpenMP pool does) made each projection that slow. A
@@ -45,7 +46,10 @@
 
 typedef void (*pool_chunk_fn)(void *ctx, int64_t chunk);
 
-/* The claim word: job tag (the low bits of its generation), chunk count, next chunk. One
+#include "pool_readahead.c"
+
+/* The claim word: job tag (the low bits of its generation), end (one past the last chunk not
+ * claimed from the end), next (the first not claimed from the start). One
  * compare-and-swap claims a chunk of exactly that job, so a late helper can never take a chunk
  * of the next job with the last one's parameters. */
 #define CHUNK_BITS 20
@@ -69,12 +73,16 @@ typedef struct {
     int stop;
     uint64_t claim; /* claim_word(...) + chunks claimed so far */
     int64_t done;   /* chunks finished */
+    int64_t chunks; /* of the current job (done == chunks: the caller is past it) */
     pool_chunk_fn fn; /* the job: written before `claim` is, read after a chunk is claimed */
     void *ctx;
+    pool_span span;         /* the job's bytes, when it streams a buffer (zero otherwise) */
+    const char *last_base;  /* the caller's previous spanned job (under `run`) */
+    int ends;               /* helper 0 claims from the end and reads ahead (pool_readahead.c) */
 } pool_state;
 
-static pool_state pool = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_MUTEX_INITIALIZER,
-                          PTHREAD_COND_INITIALIZER};
+static pool_state pool = {.run = PTHREAD_MUTEX_INITIALIZER, .sleep = PTHREAD_MUTEX_INITIALIZER,
+                          .wake = PTHREAD_COND_INITIALIZER, .ends = 1};
 static pthread_once_t pool_fork_once = PTHREAD_ONCE_INIT;
 
 #define LOAD(p) __atomic_load_n((p), __ATOMIC_SEQ_CST)
@@ -86,13 +94,14 @@ static int64_t now_ns(void) {
     return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
 }
 
-/* Waits until the generation moves past `seen` (or stop); returns the new generation. */
-static uint64_t pool_wait(uint64_t seen) {
+/* Waits until the generation moves past `seen` (or stop); returns the new generation. With
+ * `ra` (helper 0), reads ahead while it waits. */
+static uint64_t pool_wait(uint64_t seen, ra_state *ra) {
     int64_t deadline = 0;
     for (int spins = 0;; spins++) {
         uint64_t g = LOAD(&pool.generation);
         if (g != seen || LOAD(&pool.stop)) return g;
-        cpu_relax();
+        if (!ra || LOAD(&pool.done) < LOAD(&pool.chunks) || !ra_step(ra)) cpu_relax();
         if (spins % SPINS_PER_CLOCK) continue;
         /* Now and then give the core away: torch's intra-op workers (attention, norms between
          * projections) may be waiting for it, and on a machine with as many threads as cores
@@ -114,32 +123,43 @@ static uint64_t pool_wait(uint64_t seen) {
     return LOAD(&pool.generation);
 }
 
-/* Claims and runs chunks of job `generation` until none are left. A claimed chunk holds the
+/* Claims and runs chunks of job `generation` until none are left: from the start, or with
+ * `tail` from the end (helper 0, whose read-ahead is the last chunks). A claimed chunk holds the
  * job open (its caller waits for `done`), so fn and ctx read after the claim are that job's. */
-static void pool_drain(uint64_t generation) {
+static void pool_drain(uint64_t generation, int tail) {
     const uint64_t tag = generation & (UINT64_MAX >> (2 * CHUNK_BITS));
     uint64_t v = LOAD(&pool.claim);
     for (;;) {
-        const int64_t chunks = (int64_t)((v >> CHUNK_BITS) & CHUNK_MASK);
+        const int64_t end = (int64_t)((v >> CHUNK_BITS) & CHUNK_MASK);
         const int64_t next = (int64_t)(v & CHUNK_MASK);
-        if ((v >> (2 * CHUNK_BITS)) != tag || next >= chunks) return;
-        if (!__atomic_compare_exchange_n(&pool.claim, &v, v + 1, 0, __ATOMIC_SEQ_CST,
+        if ((v >> (2 * CHUNK_BITS)) != tag || next >= end) return;
+        const uint64_t claimed = tail ? v - ((uint64_t)1 << CHUNK_BITS) : v + 1;
+        if (!__atomic_compare_exchange_n(&pool.claim, &v, claimed, 0, __ATOMIC_SEQ_CST,
                                          __ATOMIC_SEQ_CST))
             continue; /* v now holds the current word */
-        pool.fn(pool.ctx, next);
+        pool.fn(pool.ctx, tail ? end - 1 : next);
         __atomic_add_fetch(&pool.done, 1, __ATOMIC_SEQ_CST);
         v = LOAD(&pool.claim);
     }
 }
 
 static void *pool_helper(void *arg) {
-    (void)arg;
+    const int ends = (int)(intptr_t)arg == 0 && LOAD(&pool.ends);
     uint64_t seen = pool.start_generation; /* written before this thread was created */
+    ra_state ra = {.threads = LOAD(&pool.threads)};
     for (;;) {
-        uint64_t g = pool_wait(seen);
+        uint64_t g = pool_wait(seen, ends ? &ra : NULL);
         if (LOAD(&pool.stop)) return NULL;
         seen = g;
-        pool_drain(g);
+        if (ends) {
+            /* the job's span, read before any claim (stale if the job is over already, which
+             * only misleads the read-ahead) */
+            const pool_span span = {
+                RELAXED_LOAD(&pool.span.base), RELAXED_LOAD(&pool.span.chunk_bytes),
+                RELAXED_LOAD(&pool.span.bytes), RELAXED_LOAD(&pool.span.chunks)};
+            ra_arrive(&ra, &span);
+        }
+        pool_drain(g, ends);
     }
 }
 
@@ -174,7 +194,8 @@ static void pool_start_helpers(void) {
     pthread_once(&pool_fork_once, pool_register_fork_handler);
     pool.start_generation = LOAD(&pool.generation);
     while (pool.started < pool.threads - 1) {
-        if (pthread_create(&pool.helpers[pool.started], NULL, pool_helper, NULL) != 0)
+        if (pthread_create(&pool.helpers[pool.started], NULL, pool_helper,
+                           (void *)(intptr_t)pool.started) != 0)
             break;
         pool.started++;
     }
@@ -192,14 +213,26 @@ static int32_t pool_set_threads(int32_t threads) {
     return threads;
 }
 
+/* 1: helper 0 claims from the end of each job and reads ahead (the default); 0: every thread
+ * claims from the start, nothing is read ahead (the A/B baseline; outputs are the same bits).
+ * Returns the setting. */
+static int32_t pool_set_ends(int32_t on) {
+    pthread_mutex_lock(&pool.run);
+    pool_stop_helpers();
+    STORE(&pool.ends, on ? 1 : 0);
+    pthread_mutex_unlock(&pool.run);
+    return on ? 1 : 0;
+}
+
 static int32_t pool_threads(void) {
     int32_t threads = LOAD(&pool.threads);
     return threads > 0 ? threads : 1;
 }
 
 /* fn(ctx, c) for every chunk c < chunks (at most POOL_MAX_CHUNKS), on the caller and whichever
- * helpers come; returns when all have returned. */
-static void pool_run(pool_chunk_fn fn, void *ctx, int64_t chunks) {
+ * helpers come; returns when all have returned. `span` (or NULL) is the buffer the chunks
+ * stream, for the read-ahead. */
+static void pool_run_span(pool_chunk_fn fn, void *ctx, int64_t chunks, const pool_span *span) {
     if (chunks <= 1 || pthread_mutex_trylock(&pool.run) != 0) {
         /* one chunk, or another job is running: go alone */
         for (int64_t c = 0; c < chunks; c++) fn(ctx, c);
@@ -213,7 +246,18 @@ static void pool_run(pool_chunk_fn fn, void *ctx, int64_t chunks) {
     }
     pool.fn = fn;
     pool.ctx = ctx;
+    const pool_span none = {0};
+    const pool_span *job_span = span ? span : &none;
+    RELAXED_STORE(&pool.span.base, job_span->base);
+    RELAXED_STORE(&pool.span.chunk_bytes, job_span->chunk_bytes);
+    RELAXED_STORE(&pool.span.bytes, job_span->bytes);
+    RELAXED_STORE(&pool.span.chunks, job_span->chunks);
+    if (span) {
+        if (pool.last_base) ra_record(pool.last_base, span);
+        pool.last_base = span->base;
+    }
     STORE(&pool.done, 0);
+    STORE(&pool.chunks, chunks);
     const uint64_t generation = LOAD(&pool.generation) + 1;
     STORE(&pool.claim, claim_word(generation, chunks));
     STORE(&pool.generation, generation);
@@ -222,7 +266,7 @@ static void pool_run(pool_chunk_fn fn, void *ctx, int64_t chunks) {
         pthread_cond_broadcast(&pool.wake);
         pthread_mutex_unlock(&pool.sleep);
     }
-    pool_drain(generation);
+    pool_drain(generation, 0);
     /* Every chunk is claimed; wait for those still running on helpers (yielding the core to
      * them after a while, in case they share it with this thread). */
     for (int spins = 0; LOAD(&pool.done) < chunks; spins++) {
@@ -230,4 +274,8 @@ static void pool_run(pool_chunk_fn fn, void *ctx, int64_t chunks) {
         else sched_yield();
     }
     pthread_mutex_unlock(&pool.run);
+}
+
+static void pool_run(pool_chunk_fn fn, void *ctx, int64_t chunks) {
+    pool_run_span(fn, ctx, chunks, NULL);
 }
