@@ -146,10 +146,9 @@ static int ra_step(ra_state *ra) {
     const pool_span *s = &ra->span[r];
     const int64_t len = ra_chunk_len(s, ra->chunk[r]);
     const int64_t n = len - ra->off[r] < RA_SLICE ? len - ra->off[r] : RA_SLICE;
-#if defined(__x86_64__) || defined(__i386__)
     const char *p = s->base + ra->chunk[r] * s->chunk_bytes + ra->off[r];
-    for (int64_t i = 0; i < n; i += 64) _mm_prefetch(p + i, _MM_HINT_T0);
-#endif
+    /* prefetcht0 on x86 (prefetcht1 measured no better); a hint that never faults anywhere */
+    for (int64_t i = 0; i < n; i += 64) __builtin_prefetch(p + i, 0, 3);
     ra->lead += n;
     ra->off[r] += n;
     if (ra->off[r] >= len) {
