@@ -18,11 +18,12 @@
  *
  * Measured on the 2-vCPU AVX-512 EPYC, bench model, TP = 1, 2 threads. Offline batch-1 decode,
  * one process alternating this on and off per 256-token request (tpserve::set_matmul_readahead),
- * 30 rounds: paired median 1.095x (28 of 30 rounds faster); in the VM's slow stretches
- * (decode at ~350-380 tok/s instead of ~430) 0.98-1.05x over 10-20 rounds: level there. In an earlier build with the lead
- * a variable, 8 rounds: claims from both ends alone 1.067-1.072x, with 2 / 4 / 8 MB read
- * ahead 1.094 / 1.089 / 1.080x. Served (two servers, this against the parent commit,
- * streamed clients, both start orders): batch 1 1.10-1.27x, batch 16 0.99-1.10x.
+ * 30 rounds: paired median 1.095x (28 of 30 rounds faster); in the VM's slow stretches (decode
+ * at ~350-380 tok/s instead of ~430) 0.98-1.05x over 10-20 rounds: level there. In an earlier
+ * build with the lead a variable, 8 rounds: claims from both ends alone 1.067-1.072x, with
+ * 2 / 4 / 8 MB read ahead 1.094 / 1.089 / 1.080x (16 MB, in a first version, ran slower than
+ * none). Served (two servers, this against the parent commit, streamed clients, both start
+ * orders): batch 1 1.10-1.27x, batch 16 0.99-1.10x.
  * Included by gemm_pool.c; gemm.c's jobs carry spans. */
 
 /* The buffer a job streams: chunk c is bytes [c * chunk_bytes, min((c + 1) * chunk_bytes,
