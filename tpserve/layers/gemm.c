@@ -179,7 +179,8 @@ static int32_t gemm_run(int bf16, const uint16_t *w, int64_t ldw, const uint16_t
     gemm_job job = {w, ldw, x, m, rows, k, y, ldy, chunk_rows(rows, k, pool_threads()), bf16};
     const int64_t chunks = (rows + job.chunk - 1) / job.chunk;
     /* the weight rows as one buffer, for the pool's read-ahead (packed rows only) */
-    const pool_span span = {(const char *)w, job.chunk * k * 2, rows * k * 2, chunks};
+    const int64_t row_bytes = k * (int64_t)sizeof(*w);
+    const pool_span span = {(const char *)w, job.chunk * row_bytes, rows * row_bytes, chunks};
     pool_run_span(gemm_chunk, &job, chunks, ldw == k ? &span : NULL);
     free(x);
     return 0;

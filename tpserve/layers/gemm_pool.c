@@ -154,9 +154,7 @@ static void *pool_helper(void *arg) {
         if (ends) {
             /* the job's span, read before any claim (stale if the job is over already, which
              * only misleads the read-ahead) */
-            const pool_span span = {
-                RELAXED_LOAD(&pool.span.base), RELAXED_LOAD(&pool.span.chunk_bytes),
-                RELAXED_LOAD(&pool.span.bytes), RELAXED_LOAD(&pool.span.chunks)};
+            const pool_span span = span_load(&pool.span);
             ra_arrive(&ra, &span);
         }
         pool_drain(g, ends);
@@ -247,11 +245,7 @@ static void pool_run_span(pool_chunk_fn fn, void *ctx, int64_t chunks, const poo
     pool.fn = fn;
     pool.ctx = ctx;
     const pool_span none = {0};
-    const pool_span *job_span = span ? span : &none;
-    RELAXED_STORE(&pool.span.base, job_span->base);
-    RELAXED_STORE(&pool.span.chunk_bytes, job_span->chunk_bytes);
-    RELAXED_STORE(&pool.span.bytes, job_span->bytes);
-    RELAXED_STORE(&pool.span.chunks, job_span->chunks);
+    span_store(&pool.span, span ? span : &none);
     if (span) {
         if (pool.last_base) ra_record(pool.last_base, span);
         pool.last_base = span->base;

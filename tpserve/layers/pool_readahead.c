@@ -43,6 +43,21 @@ typedef struct {
 #define RELAXED_LOAD(p) __atomic_load_n((p), __ATOMIC_RELAXED)
 #define RELAXED_STORE(p, v) __atomic_store_n((p), (v), __ATOMIC_RELAXED)
 
+/* A span shared between threads without a lock, field by field: a copy torn by a concurrent
+ * write only misdirects prefetches (gemm_pool.c's current job, the successor table). */
+static inline void span_store(pool_span *dst, const pool_span *src) {
+    RELAXED_STORE(&dst->base, src->base);
+    RELAXED_STORE(&dst->chunk_bytes, src->chunk_bytes);
+    RELAXED_STORE(&dst->bytes, src->bytes);
+    RELAXED_STORE(&dst->chunks, src->chunks);
+}
+
+static inline pool_span span_load(const pool_span *src) {
+    const pool_span out = {RELAXED_LOAD(&src->base), RELAXED_LOAD(&src->chunk_bytes),
+                           RELAXED_LOAD(&src->bytes), RELAXED_LOAD(&src->chunks)};
+    return out;
+}
+
 typedef struct {
     const char *key;
     pool_span next;
@@ -59,15 +74,14 @@ static inline uint64_t ra_slot(const char *key) {
 /* `next` ran right after the spanned job at `prev`. */
 static void ra_record(const char *prev, const pool_span *next) {
     ra_successor *e = &ra_table[ra_slot(prev)];
-    if (RELAXED_LOAD(&e->key) == prev && RELAXED_LOAD(&e->next.base) == next->base &&
-        RELAXED_LOAD(&e->next.bytes) == next->bytes &&
-        RELAXED_LOAD(&e->next.chunk_bytes) == next->chunk_bytes)
-        return;
+    if (RELAXED_LOAD(&e->key) == prev) {
+        const pool_span known = span_load(&e->next);
+        if (known.base == next->base && known.bytes == next->bytes &&
+            known.chunk_bytes == next->chunk_bytes)
+            return;
+    }
     RELAXED_STORE(&e->key, (const char *)NULL);
-    RELAXED_STORE(&e->next.base, next->base);
-    RELAXED_STORE(&e->next.chunk_bytes, next->chunk_bytes);
-    RELAXED_STORE(&e->next.bytes, next->bytes);
-    RELAXED_STORE(&e->next.chunks, next->chunks);
+    span_store(&e->next, next);
     RELAXED_STORE(&e->key, prev);
 }
 
@@ -76,10 +90,7 @@ static int ra_lookup(const char *key, pool_span *out) {
     if (!key) return 0;
     const ra_successor *e = &ra_table[ra_slot(key)];
     if (RELAXED_LOAD(&e->key) != key) return 0;
-    out->base = RELAXED_LOAD(&e->next.base);
-    out->chunk_bytes = RELAXED_LOAD(&e->next.chunk_bytes);
-    out->bytes = RELAXED_LOAD(&e->next.bytes);
-    out->chunks = RELAXED_LOAD(&e->next.chunks);
+    *out = span_load(&e->next);
     return out->base && out->chunk_bytes > 0 && out->chunks > 0 && out->bytes > 0 &&
            out->bytes <= out->chunk_bytes * out->chunks;
 }
