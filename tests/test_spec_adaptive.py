@@ -77,6 +77,20 @@ def true_tok_s(s: Setting, batch: int) -> float:
     return 1e3 * batch * length / true_step_ms(s, batch)
 
 
+def observe_step(chooser: AdaptiveChooser, s: Setting, batch: int, ms: float, draft: float,
+                 accs: list[Accepted], rest_ms: float = 0.0, fed: bool = True,
+                 switched: bool = False) -> int:
+    """Report one step of ``s`` over ``batch`` requests that took ``ms`` (``draft`` of it
+    drafting, ``rest_ms`` neither drafting nor the target forward) and accepted ``accs``, as
+    the engine does; returns the tokens it appended."""
+    tokens = batch + sum(len(a.nodes) - 1 for a in accs)
+    chooser.observe(s, batch, ms, ms - draft - rest_ms, draft, tokens, fed=fed,
+                    switched=switched)
+    if accs:
+        chooser.observe_accepts(s, accs)
+    return tokens
+
+
 def drive(chooser: AdaptiveChooser, batch: int, steps: int, rng: random.Random,
           noise: float = 0.03, branches: bool = True,
           extra_ms: Callable[[Setting], float] = lambda s: 0.0) -> list[Setting]:
@@ -88,13 +102,10 @@ def drive(chooser: AdaptiveChooser, batch: int, steps: int, rng: random.Random,
         s = chooser.choose(batch)
         picks.append(s)
         accs = [] if s.off else accepted(s, batch, rng, branches=branches)
-        tokens = batch + sum(len(a.nodes) - 1 for a in accs)
         jitter = 1 + rng.uniform(-noise, noise) if noise else 1.0
         ms = (true_step_ms(s, batch) + extra_ms(s)) * jitter
         draft = 0.0 if s.off else s.steps * (1.5 + 0.6 * batch * s.topk)
-        chooser.observe(s, batch, ms, ms - draft - 0.5 * (not s.off), draft, tokens)
-        if accs:
-            chooser.observe_accepts(s, accs)
+        observe_step(chooser, s, batch, ms, draft, accs, 0.5 * (not s.off))
     return picks
 
 
@@ -598,13 +609,10 @@ def run_fed_burst(chooser: AdaptiveChooser, rng: random.Random, steps: int = 200
         s = chooser.choose(8)
         picks.append(s)
         if s.off:
-            chooser.observe(s, 8, 21.0, 21.0, 0.0, 8)
+            observe_step(chooser, s, 8, 21.0, 0.0, [])
             continue
-        accs = accepted(s, 8, rng)
         ms = true_step_ms(s, 8) - 0.5 * 8 + 18.0 - 8.0  # the same plain forward inside
-        draft = s.steps * (1.5 + 0.6 * 8 * s.topk)
-        chooser.observe(s, 8, ms, ms - draft, draft, 8 + sum(len(a.nodes) - 1 for a in accs))
-        chooser.observe_accepts(s, accs)
+        observe_step(chooser, s, 8, ms, s.steps * (1.5 + 0.6 * 8 * s.topk), accepted(s, 8, rng))
     return picks
 
 
@@ -686,10 +694,8 @@ def batch1_steps(pick: AdaptiveChooser | Setting, rng: random.Random, rates: Any
         switched, last = last is not None and s != last, s
         ms = demo_step_ms(s) * (1 + rng.uniform(-0.03, 0.03)) * slow(i) + switch_ms * switched
         if chooser is not None:
-            chooser.observe(s, 1, ms, ms - draft - 0.6 * (not s.off), draft, tokens,
-                            fed=followed, switched=switched)
-            if accs:
-                chooser.observe_accepts(s, accs)
+            observe_step(chooser, s, 1, ms, draft, accs, 0.6 * (not s.off), fed=followed,
+                         switched=switched)
         out.append((tokens, ms))
         left -= tokens
     return out
@@ -905,10 +911,7 @@ def drive_one(chooser: AdaptiveChooser, s: Setting, batch: int, rng: random.Rand
     """One speculative step of ``s`` on the fake machine."""
     accs = accepted(s, batch, rng)
     ms = true_step_ms(s, batch) * (1 + rng.uniform(-0.03, 0.03))
-    draft = s.steps * (1.5 + 0.6 * batch * s.topk)
-    chooser.observe(s, batch, ms, ms - draft, draft,
-                    batch + sum(len(a.nodes) - 1 for a in accs))
-    chooser.observe_accepts(s, accs)
+    observe_step(chooser, s, batch, ms, s.steps * (1.5 + 0.6 * batch * s.topk), accs)
 
 
 def run_single_stream(chooser: AdaptiveChooser, total: int, slow_until: int,
@@ -924,7 +927,7 @@ def run_single_stream(chooser: AdaptiveChooser, total: int, slow_until: int,
         if not followed:
             runs.append(chooser.step_aside(1))
             ms = 0.8 * true_step_ms(OFF, 1) * (1 + rng.uniform(-0.03, 0.03))
-            chooser.observe(OFF, 1, ms, ms, 0.0, 1, fed=False)
+            observe_step(chooser, OFF, 1, ms, 0.0, [], fed=False)
             continue
         s = chooser.choose(1)
         runs.append(s)
@@ -932,10 +935,7 @@ def run_single_stream(chooser: AdaptiveChooser, total: int, slow_until: int,
         ms = slow * true_step_ms(s, 1) * (1 + rng.uniform(-0.03, 0.03))
         accs = [] if s.off else accepted(s, 1, rng)
         draft = 0.0 if s.off else slow * s.steps * (1.5 + 0.6 * s.topk)
-        chooser.observe(s, 1, ms, ms - draft - 0.5 * (not s.off), draft,
-                        1 + sum(len(a.nodes) - 1 for a in accs))
-        if accs:
-            chooser.observe_accepts(s, accs)
+        observe_step(chooser, s, 1, ms, draft, accs, 0.5 * (not s.off))
     return runs
 
 
