@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from comm_backends.native_build import load_library
+from comm_backends.native_build import FLAGS, build, compiler, load_library
 from tpserve.layers import cpu_ops, fused
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
@@ -272,3 +272,88 @@ def test_argmax_kernel_on_both_isa_paths(isa: str) -> None:
             elif case == "all-inf":
                 row[:] = float("-inf")
             assert fn(row.data_ptr(), n) == int(row.argmax()), (n, case)
+
+
+def _all_bf16_gates(gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every finite and infinite bf16 value as a gate, each beside a random up value."""
+    gate = torch.arange(65536, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
+    gate = gate[~torch.isnan(gate.float())]
+    return gate, (torch.randn(gate.numel(), generator=gen) * 3).to(torch.bfloat16)
+
+
+def _silu_rows(gate: torch.Tensor, up: torch.Tensor, inter: int) -> torch.Tensor:
+    """Rows [gate | up] of ``inter`` values each (the tail of ``gate`` that fills no row is
+    left out)."""
+    rows = gate.numel() // inter
+    n = rows * inter
+    return torch.cat([gate[:n].view(rows, inter), up[:n].view(rows, inter)], 1).contiguous()
+
+
+def test_silu_mul_takes_its_own_loop_with_atens_bits_for_every_bf16_value() -> None:
+    """``tpserve::silu_mul`` runs silu_mul.c (not ATen's two calls) for bf16 where ATen's
+    vector width matches the build, and gives ATen's bits for every bf16 gate: in the
+    vector blocks (rows of 1408) and in the scalar tail (rows of 63, shorter than a block)."""
+    if fused_lanes() == 0:
+        pytest.skip("this build has no vector silu_mul (no AVX2 / AVX-512)")
+    aten = torch.backends.cpu.get_cpu_capability()
+    if aten not in ("AVX2", "AVX512") or {"AVX2": 8, "AVX512": 16}[aten] != fused_lanes():
+        pytest.skip(f"ATen runs its {aten} kernels here, another width than this build's")
+    gate, up = _all_bf16_gates(torch.Generator().manual_seed(5))
+    for inter in (1408, 63, 176):
+        x = _silu_rows(gate, up, inter)
+        assert torch.ops.tpserve.silu_mul_native(x), inter
+        got, want = torch.ops.tpserve.silu_mul(x), fused.silu_mul_reference(x)
+        assert torch.equal(got.view(torch.int16), want.view(torch.int16)), inter
+    assert not torch.ops.tpserve.silu_mul_native(x.float())  # other dtypes stay ATen's
+
+
+def silu_library(*flags: str) -> ctypes.CDLL:
+    """silu_mul.c built alone (``flags`` after the usual ones), linked to libtorch_cpu for
+    the Sleef exp it calls."""
+    here = Path(fused.__file__).parent
+    lib_dir = Path(torch.__file__).parent / "lib"
+    cc = compiler()
+    if cc is None:
+        pytest.skip("no C compiler")
+    path = build(here / "silu_mul.c", cc, (*FLAGS, *flags), (here / "half.h",),
+                 (f"-L{lib_dir}", "-ltorch_cpu", "-lc10"))
+    return ctypes.CDLL(str(path))
+
+
+def fused_lanes() -> int:
+    return int(silu_library().silu_mul_lanes())
+
+
+_SILU_AVX2_CHECK = r"""
+import ctypes, sys, torch
+sys.path.insert(0, sys.argv[1])
+from tests.test_fused_ops import _all_bf16_gates, _silu_rows, silu_library
+from tpserve.layers import fused
+assert torch.backends.cpu.get_cpu_capability() == "AVX2"
+lib = silu_library("-mno-avx512f")
+assert lib.silu_mul_lanes() == 8
+gate, up = _all_bf16_gates(torch.Generator().manual_seed(5))
+for inter in (1408, 31, 176):
+    x = _silu_rows(gate, up, inter)
+    out = torch.empty(x.shape[0], inter, dtype=torch.bfloat16)
+    lib.silu_mul_bf16(ctypes.c_void_p(x.data_ptr()), ctypes.c_int64(x.shape[0]),
+                      ctypes.c_int64(inter), ctypes.c_void_p(out.data_ptr()))
+    want = fused.silu_mul_reference(x)
+    assert torch.equal(out.view(torch.int16), want.view(torch.int16)), inter
+print("ok")
+"""
+
+
+def test_silu_mul_avx2_build_matches_atens_avx2_kernels() -> None:
+    """The AVX2 path of silu_mul.c (built alone) against ATen running its AVX2 kernels
+    (ATEN_CPU_CAPABILITY=avx2, in a child process: ATen reads it once), every bf16 gate."""
+    import subprocess
+    import sys
+
+    if "avx2" not in Path("/proc/cpuinfo").read_text():
+        pytest.skip("this CPU has no AVX2")
+    root = Path(__file__).resolve().parent.parent
+    env = {**__import__("os").environ, "ATEN_CPU_CAPABILITY": "avx2"}
+    run = subprocess.run([sys.executable, "-c", _SILU_AVX2_CHECK, str(root)], env=env,
+                         capture_output=True, text=True, timeout=600, cwd=root)
+    assert run.returncode == 0 and run.stdout.strip().endswith("ok"), run.stderr[-3000:]

@@ -1,8 +1,8 @@
 /* The small per-token steps of a decoder layer, one pass each instead of 5-15 ATen ops:
  * RMSNorm (optionally after the residual add) and NeoX rotary on the q/k part of the fused qkv
  * projection. At batch 1 each of those ATen ops costs 2-8 us of dispatch for well under a
- * microsecond of arithmetic, and a layer had ~60 of them. (SiLU * up stays two ATen calls made
- * from C++, cpu_ops.cpp: ATen's exp is vectorised, a scalar expf here was slower.)
+ * microsecond of arithmetic, and a layer had ~60 of them. (SiLU * up is silu_mul.c, which calls
+ * the vectorised exp ATen does: a scalar expf here was slower than ATen.)
  *
  * Each kernel rounds exactly where the unfused torch expression does, so outputs are the same
  * bits (tests/test_fused_ops.py checks that against the torch expressions):
