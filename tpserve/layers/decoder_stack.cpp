@@ -81,10 +81,17 @@ std::tuple<at::Tensor, at::Tensor> attn_block(const at::Tensor &x_in,
                                               const std::optional<at::Tensor> &o_b,
                                               at::Tensor &k_cache, at::Tensor &v_cache,
                                               const StepAttention &s, double eps) {
-    // llama.py's DecoderLayer: the previous layer ended with `x + mlp(h)` (an ATen add).
-    at::Tensor x = delta.has_value() ? at::add(x_in, *delta) : x_in;
-    // No norm: the caller normed its input already (the EAGLE-3 draft's concatenation).
-    at::Tensor qkv = project(norm_w.has_value() ? rms_norm(x, *norm_w, eps) : x, qkv_w, qkv_b);
+    // llama.py's DecoderLayer: the previous layer ended with `x + mlp(h)` (an ATen add), then
+    // this one norms it: one pass of add_rms_norm (the same bits; one ATen add fewer a layer).
+    at::Tensor x = x_in, h;
+    if (delta.has_value() && norm_w.has_value()) {
+        std::tie(x, h) = add_rms_norm(x_in, *delta, *norm_w, eps);
+    } else {
+        x = delta.has_value() ? at::add(x_in, *delta) : x_in;
+        // No norm: the caller normed its input already (the EAGLE-3 draft's concatenation).
+        h = norm_w.has_value() ? rms_norm(x, *norm_w, eps) : x;
+    }
+    at::Tensor qkv = project(h, qkv_w, qkv_b);
     const int64_t n = qkv.size(0), d = s.head_dim;
     at::Tensor v = qkv.narrow(1, (s.q_heads + s.kv_heads) * d, s.kv_heads * d)
                        .view({n, s.kv_heads, d});
