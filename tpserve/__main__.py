@@ -8,6 +8,7 @@ import sys
 from collections.abc import MutableMapping
 
 from tpserve.args import parse_args
+from tpserve.malloc_preload import preload_for_main
 
 # oneDNN (bf16 matmul on CPU) JIT-compiles and caches a primitive per shape, in two LRU caches
 # of 1,024 entries by default; prefill token counts vary per step, so each rank's RSS grew by
@@ -24,6 +25,8 @@ def bound_native_caches(env: MutableMapping[str, str]) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    if argv is None:  # this process's own command line: it may re-execute itself first
+        preload_for_main()
     bound_native_caches(os.environ)
     args = parse_args(argv)
     rank = os.environ.get("RANK", "0")
