@@ -11,7 +11,15 @@ import httpx
 import pytest
 
 from tests.server_proc import running_server
-from tpserve.malloc_preload import DONE, ENV, LIBRARIES, find_library, preload_malloc, preloaded
+from tpserve.malloc_preload import (
+    DONE,
+    ENV,
+    LIBRARIES,
+    active_malloc,
+    find_library,
+    preload_malloc,
+    preloaded,
+)
 
 
 class FakeExec:
@@ -75,6 +83,18 @@ def test_nothing_installed_or_exec_refused_keeps_running(tmp_path: Path) -> None
     failing = FakeExec(fail=True)
     preload_malloc({}, ["python"], "python", failing, _libs(tmp_path, LIBRARIES[1]))
     assert len(failing.calls) == 1  # tried, failed, returned: the server starts on glibc
+
+
+def test_reported_only_where_the_loader_mapped_it(tmp_path: Path) -> None:
+    lib = tmp_path / "libtcmalloc_minimal.so.4"
+    lib.write_bytes(b"")
+    maps = tmp_path / "maps"
+    maps.write_text(f"7f00-7f01 r-xp 00000000 00:00 1 {lib}\n")
+    env = {"LD_PRELOAD": str(lib)}
+    assert active_malloc(env, str(maps)) == str(lib)
+    maps.write_text("7f00-7f01 r-xp 00000000 00:00 1 /usr/lib/libc.so.6\n")
+    assert active_malloc(env, str(maps)) == "glibc"  # named, but the loader refused it
+    assert active_malloc({}, str(maps)) == "glibc"
 
 
 def _libm() -> str:

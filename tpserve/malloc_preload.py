@@ -58,6 +58,20 @@ def preloaded(env: MutableMapping[str, str]) -> str | None:
     return None
 
 
+def active_malloc(env: MutableMapping[str, str], maps: str = "/proc/self/maps") -> str:
+    """The malloc this process runs on, for the server info: the preloaded library where the
+    loader mapped it (``LD_PRELOAD`` names it, and it is in ``maps``, where that is readable),
+    else ``glibc``."""
+    path = preloaded(env)
+    if path is None:
+        return "glibc"
+    try:
+        mapped = Path(maps).read_text()
+    except OSError:
+        return path
+    return path if os.path.realpath(path) in mapped or path in mapped else "glibc"
+
+
 def preload_malloc(env: MutableMapping[str, str], argv: Sequence[str], executable: str,
                    exec_fn: Exec = os.execve, dirs: Sequence[str] = LIBRARY_DIRS) -> None:
     """Re-execute this process (``executable`` with ``argv``) with the chosen library in

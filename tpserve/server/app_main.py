@@ -25,7 +25,7 @@ from tpserve.engine.engine import Engine
 from tpserve.generation_config import load_generation_config, log_defaults
 from tpserve.heap import freeze_startup_heap
 from tpserve.layers.quant import resident_weight_bytes
-from tpserve.malloc_preload import preloaded
+from tpserve.malloc_preload import active_malloc
 from tpserve.server.admin_api import ADMIN_BODIES, register_admin
 from tpserve.server.engine_client import ClientLimits, EngineClient
 from tpserve.server.guard import Guard, GuardConfig, needs_key
@@ -85,7 +85,7 @@ def make_state(args: ServerArgs, setup: Any, engine: Engine, tokenizer: Tokenize
         "attention_backend": getattr(setup.runner.model.attention, "name", None),
         "rank_pids": list(getattr(engine.channel, "peer_pids", None) or [os.getpid()]),
         # The malloc this rank runs on (tpserve.malloc_preload): a library path, or glibc's.
-        "host_malloc": preloaded(os.environ) or "glibc",
+        "host_malloc": active_malloc(os.environ),
     }
     state.model_info_extra = {"architecture": setup.cfg.architecture,
                               "vocab_size": setup.cfg.vocab_size}
