@@ -84,18 +84,9 @@ typedef struct {
 static void store_bf16(uint16_t *dst, const float *src, int64_t n) {
     int64_t i = 0;
 #if LANES == 16
-    const __m512i one = _mm512_set1_epi32(1), half = _mm512_set1_epi32(0x7FFF);
-    const __m512i abs = _mm512_set1_epi32(0x7FFFFFFF), inf = _mm512_set1_epi32(0x7F800000);
-    const __m512i quiet = _mm512_set1_epi32(0x40);
-    for (; i + 16 <= n; i += 16) { /* f32_to_bf16, 16 at a time: nearest-even, NaN quiet */
-        const __m512i u = _mm512_castps_si512(_mm512_loadu_ps(src + i));
-        const __m512i top = _mm512_srli_epi32(u, 16);
-        const __m512i even = _mm512_srli_epi32(
-            _mm512_add_epi32(_mm512_add_epi32(u, half), _mm512_and_si512(top, one)), 16);
-        const __mmask16 nan = _mm512_cmpgt_epi32_mask(_mm512_and_si512(u, abs), inf);
-        const __m512i out = _mm512_mask_mov_epi32(even, nan, _mm512_or_si512(top, quiet));
-        _mm256_storeu_si256((__m256i *)(dst + i), _mm512_cvtepi32_epi16(out));
-    }
+    for (; i + 16 <= n; i += 16) /* f32_to_bf16, 16 at a time: nearest-even, NaN quiet */
+        _mm256_storeu_si256((__m256i *)(dst + i),
+                            _mm512_cvtepi32_epi16(f32x16_to_bf16_bits(_mm512_loadu_ps(src + i))));
 #endif
     for (; i < n; i++) dst[i] = f32_to_bf16(src[i]);
 }

@@ -51,4 +51,21 @@ static inline __m256i f32x8_to_bf16_bits(__m256 v) {
 }
 #endif
 
+#if defined(__AVX512F__)
+#include <immintrin.h>
+/* The same for sixteen lanes: gemm.c's stores, the attention kernel's AVX-512 stores and
+ * silu_mul.c round through it. Forced inline: gemm.c's store loop is compiled inside
+ * cpu_ops.cpp's one large unit, past GCC's growth limit for plain `inline` hints. */
+static inline __attribute__((always_inline)) __m512i f32x16_to_bf16_bits(__m512 v) {
+    const __m512i u = _mm512_castps_si512(v);
+    const __m512i top = _mm512_srli_epi32(u, 16);
+    const __m512i even = _mm512_srli_epi32(
+        _mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7FFF)),
+                         _mm512_and_si512(top, _mm512_set1_epi32(1))), 16);
+    const __mmask16 nan = _mm512_cmpgt_epi32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7FFFFFFF)),
+                                                  _mm512_set1_epi32(0x7F800000));
+    return _mm512_mask_mov_epi32(even, nan, _mm512_or_si512(top, _mm512_set1_epi32(0x40)));
+}
+#endif
+
 #endif

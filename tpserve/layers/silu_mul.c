@@ -60,53 +60,45 @@ static inline uint16_t silu_scalar_bf16(uint16_t g) {
 }
 
 #if SILU_LANES == 16
-/* LANES bf16 silu values, as ATen's vector path rounds them (NaN: any quiet NaN). */
+/* LANES bf16 values widened to fp32 (exact). */
+static inline __m512 bf16_widen(const uint16_t *p) {
+    return _mm512_castsi512_ps(
+        _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+}
+
+/* LANES silu values, rounded to bf16 as ATen's vector path rounds them, back in fp32 lanes. */
 static inline __m512 silu_vec(const uint16_t *g) {
-    const __m512 x = _mm512_castsi512_ps(
-        _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)g)), 16));
+    const __m512 x = bf16_widen(g);
     const __m512 neg = _mm512_castsi512_ps(
         _mm512_xor_si512(_mm512_castps_si512(x), _mm512_set1_epi32((int)0x80000000u)));
-    return _mm512_div_ps(x, _mm512_add_ps(_mm512_set1_ps(1.0f), Sleef_expf16_u10(neg)));
-}
-
-/* Round to bf16 nearest-even, back in fp32 lanes (NaN made quiet). */
-static inline __m512 round_bf16_vec(__m512 v) {
-    const __m512i u = _mm512_castps_si512(v);
-    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-    __m512i r = _mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7FFF)), lsb);
-    r = _mm512_and_si512(r, _mm512_set1_epi32((int)0xFFFF0000u));
-    const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
-    const __m512i quiet = _mm512_or_si512(_mm512_and_si512(u, _mm512_set1_epi32((int)0xFFFF0000u)),
-                                          _mm512_set1_epi32(0x00400000));
-    return _mm512_castsi512_ps(_mm512_mask_mov_epi32(r, nan, quiet));
+    const __m512 s = _mm512_div_ps(x, _mm512_add_ps(_mm512_set1_ps(1.0f), Sleef_expf16_u10(neg)));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(f32x16_to_bf16_bits(s), 16));
 }
 
 static inline void silu_mul_block(const uint16_t *g, const uint16_t *u, uint16_t *o) {
-    const __m512 s = round_bf16_vec(silu_vec(g));
-    const __m512 up = _mm512_castsi512_ps(
-        _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)u)), 16));
-    const __m512 p = round_bf16_vec(_mm512_mul_ps(s, up));
-    _mm256_storeu_si256((__m256i *)o,
-                        _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(p), 16)));
+    const __m512i p = f32x16_to_bf16_bits(_mm512_mul_ps(silu_vec(g), bf16_widen(u)));
+    _mm256_storeu_si256((__m256i *)o, _mm512_cvtepi32_epi16(p));
 }
 #elif SILU_LANES == 8
+/* LANES bf16 values widened to fp32 (exact). */
+static inline __m256 bf16_widen(const uint16_t *p) {
+    return _mm256_castsi256_ps(
+        _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
+}
+
+/* LANES silu values, rounded to bf16 as ATen's vector path rounds them, back in fp32 lanes. */
 static inline __m256 silu_vec(const uint16_t *g) {
-    const __m256 x = _mm256_castsi256_ps(
-        _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)g)), 16));
+    const __m256 x = bf16_widen(g);
     const __m256 neg = _mm256_xor_ps(x, _mm256_set1_ps(-0.0f));
-    return _mm256_div_ps(x, _mm256_add_ps(_mm256_set1_ps(1.0f), Sleef_expf8_u10(neg)));
+    const __m256 s = _mm256_div_ps(x, _mm256_add_ps(_mm256_set1_ps(1.0f), Sleef_expf8_u10(neg)));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(f32x8_to_bf16_bits(s), 16));
 }
 
 static inline void silu_mul_block(const uint16_t *g, const uint16_t *u, uint16_t *o) {
-    /* f32x8_to_bf16_bits rounds nearest-even (NaN quiet) into the low half of each lane */
-    const __m256i s16 = f32x8_to_bf16_bits(silu_vec(g));
-    const __m256 s = _mm256_castsi256_ps(_mm256_slli_epi32(s16, 16));
-    const __m256 up = _mm256_castsi256_ps(
-        _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)u)), 16));
-    const __m256i p = f32x8_to_bf16_bits(_mm256_mul_ps(s, up));
-    const __m128i packed = _mm_packus_epi32(_mm256_castsi256_si128(p),
-                                            _mm256_extracti128_si256(p, 1));
-    _mm_storeu_si128((__m128i *)o, packed);
+    /* f32x8_to_bf16_bits leaves each result in the low half of its lane */
+    const __m256i p = f32x8_to_bf16_bits(_mm256_mul_ps(silu_vec(g), bf16_widen(u)));
+    _mm_storeu_si128((__m128i *)o, _mm_packus_epi32(_mm256_castsi256_si128(p),
+                                                    _mm256_extracti128_si256(p, 1)));
 }
 #endif
 

@@ -75,14 +75,7 @@ static inline void load_pair(const void *src, int dtype, vf *lo, vf *hi) {
     }
 }
 /* f32 -> bf16 bits (in the low half of each 32-bit lane), nearest-even, NaN kept quiet. */
-static inline __m512i round_bf16(vf x) {
-    const __m512i u = _mm512_castps_si512(x);
-    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-    const __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7FFF)), odd), 16);
-    const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7FFFFFFF)),
-                                                  _mm512_set1_epi32(0x7F800000));
-    return _mm512_mask_blend_epi32(nan, r, _mm512_or_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40)));
-}
+static inline __m512i round_bf16(vf x) { return f32x16_to_bf16_bits(x); }
 /* The inverse of load_pair: two vectors in the kernel's lane order -> 2*LANES elements. */
 static inline void store_pair(void *dst, int dtype, vf lo, vf hi) {
     if (dtype == ATTN_BF16) {
