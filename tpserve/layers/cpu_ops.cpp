@@ -226,26 +226,22 @@ std::tuple<at::Tensor, at::Tensor> rotary_gather(const at::Tensor &cos_table,
     return {rotary_table_rows(cos_table, pos, dtype), rotary_table_rows(sin_table, pos, dtype)};
 }
 
-// Whether silu_mul.c computes what ATen would for `elements` gate values: bf16, the vector
-// width of ATen's runtime CPU capability, and a loop ATen runs on one thread (TensorIterator
-// splits only from its 32768-element grain, and only with several intra-op threads).
-bool native_silu_matches(const at::Tensor &x, int64_t elements) {
-    if (x.scalar_type() != at::kBFloat16 || !x.is_contiguous() || !x.device().is_cpu())
+// tpserve::silu_mul_native(x): whether silu_mul takes silu_mul.c's loop for x, i.e. whether
+// that loop computes what ATen would: bf16, the vector width of ATen's runtime CPU
+// capability, and a loop ATen runs on one thread (TensorIterator splits only from its
+// 32768-element grain, and only with several intra-op threads). The tests check the loop is
+// taken where it should be, not only that the bits match (ATen's would too).
+bool silu_mul_native(const at::Tensor &x) {
+    if (x.dim() < 1 || x.size(-1) % 2 != 0 || x.numel() == 0 ||
+        x.scalar_type() != at::kBFloat16 || !x.is_contiguous() || !x.device().is_cpu())
         return false;
-    if (elements >= 32768 && at::get_num_threads() > 1) return false;
+    if (x.numel() / 2 >= 32768 && at::get_num_threads() > 1) return false;
     // Fixed for the process (ATEN_CPU_CAPABILITY is read once, at ATen's start).
     static const int aten_lanes = [] {
         const std::string cap = at::get_cpu_capability();
         return cap == "AVX512" ? 16 : cap == "AVX2" ? 8 : -1;
     }();
     return silu_mul_lanes() == aten_lanes;
-}
-
-// tpserve::silu_mul_native(x): whether silu_mul takes silu_mul.c's loop for x (the tests
-// check it does where it should, not only that the bits match, which ATen's would too).
-bool silu_mul_native(const at::Tensor &x) {
-    if (x.dim() < 1 || x.size(-1) % 2 != 0 || x.numel() == 0) return false;
-    return native_silu_matches(x, x.numel() / 2);
 }
 
 // silu(gate) * up: silu_mul.c where it gives ATen's bits (one pass, Sleef's exp as ATen calls
@@ -255,13 +251,12 @@ at::Tensor silu_mul(const at::Tensor &x) {
     TORCH_CHECK(x.dim() >= 1 && x.size(-1) % 2 == 0,
                 "tpserve::silu_mul: last dim must hold gate and up halves");
     const int64_t inter = x.size(-1) / 2;
-    const int64_t rows = inter ? x.numel() / (2 * inter) : 0;
     if (silu_mul_native(x)) {
         std::vector<int64_t> sizes = x.sizes().vec();
         sizes.back() = inter;
         at::Tensor out = at::empty(sizes, x.options());
-        silu_mul_bf16(static_cast<const uint16_t *>(x.data_ptr()), rows, inter,
-                      static_cast<uint16_t *>(out.data_ptr()));
+        silu_mul_bf16(static_cast<const uint16_t *>(x.data_ptr()), x.numel() / (2 * inter),
+                      inter, static_cast<uint16_t *>(out.data_ptr()));
         return out;
     }
     return at::silu(x.narrow(-1, 0, inter)).mul_(x.narrow(-1, inter, inter));
