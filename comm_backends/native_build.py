@@ -92,17 +92,18 @@ def build(source: Path, compiler_path: str, flags: Sequence[str],
 
 
 def load_library(source: Path, lanes_symbol: str, depends: Sequence[Path] = (),
-                 extra_flags: Sequence[str] = ()) -> tuple[ctypes.CDLL, int]:
+                 extra_flags: Sequence[str] = (), libs: Sequence[str] = ()
+                 ) -> tuple[ctypes.CDLL, int]:
     """The compiled C ``source`` (``depends``: files it includes; ``extra_flags``: after
-    FLAGS, e.g. ``-mno-avx512f`` to build the AVX2 path) and its vector width
-    (``lanes_symbol()``; 0: scalar-only).
+    FLAGS, e.g. ``-mno-avx512f`` to build the AVX2 path; ``libs``: linker arguments) and its
+    vector width (``lanes_symbol()``; 0: scalar-only).
 
     Raises ``NativeBuildError`` with the reason when there is no compiler or the build fails.
     """
     cc = compiler()
     if cc is None:
         raise NativeBuildError("no C compiler found (set CC)")
-    path = build(source, cc, (*FLAGS, *extra_flags), depends)
+    path = build(source, cc, (*FLAGS, *extra_flags), depends, libs)
     try:
         lib = ctypes.CDLL(str(path))
     except OSError as exc:

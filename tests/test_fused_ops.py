@@ -8,13 +8,16 @@ of float64, on logits spread far wider than exp's range too (masked tokens exact
 from __future__ import annotations
 
 import ctypes
+import os
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
 
-from comm_backends.native_build import FLAGS, build, compiler, load_library
+from comm_backends.native_build import load_library
 from tpserve.layers import cpu_ops, fused
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
@@ -293,10 +296,11 @@ def test_silu_mul_takes_its_own_loop_with_atens_bits_for_every_bf16_value() -> N
     """``tpserve::silu_mul`` runs silu_mul.c (not ATen's two calls) for bf16 where ATen's
     vector width matches the build, and gives ATen's bits for every bf16 gate: in the
     vector blocks (rows of 1408) and in the scalar tail (rows of 63, shorter than a block)."""
-    if fused_lanes() == 0:
+    lanes = silu_library()[1]
+    if lanes == 0:
         pytest.skip("this build has no vector silu_mul (no AVX2 / AVX-512)")
     aten = torch.backends.cpu.get_cpu_capability()
-    if aten not in ("AVX2", "AVX512") or {"AVX2": 8, "AVX512": 16}[aten] != fused_lanes():
+    if aten not in ("AVX2", "AVX512") or {"AVX2": 8, "AVX512": 16}[aten] != lanes:
         pytest.skip(f"ATen runs its {aten} kernels here, another width than this build's")
     gate, up = _all_bf16_gates(torch.Generator().manual_seed(5))
     for inter in (1408, 63, 176):
@@ -307,21 +311,13 @@ def test_silu_mul_takes_its_own_loop_with_atens_bits_for_every_bf16_value() -> N
     assert not torch.ops.tpserve.silu_mul_native(x.float())  # other dtypes stay ATen's
 
 
-def silu_library(*flags: str) -> ctypes.CDLL:
-    """silu_mul.c built alone (``flags`` after the usual ones), linked to libtorch_cpu for
-    the Sleef exp it calls."""
+def silu_library(*flags: str) -> tuple[ctypes.CDLL, int]:
+    """silu_mul.c built alone (``flags`` after the usual ones), linked to libtorch_cpu for the
+    Sleef exp it calls; (library, lanes)."""
     here = Path(fused.__file__).parent
     lib_dir = Path(torch.__file__).parent / "lib"
-    cc = compiler()
-    if cc is None:
-        pytest.skip("no C compiler")
-    path = build(here / "silu_mul.c", cc, (*FLAGS, *flags), (here / "half.h",),
-                 (f"-L{lib_dir}", "-ltorch_cpu", "-lc10"))
-    return ctypes.CDLL(str(path))
-
-
-def fused_lanes() -> int:
-    return int(silu_library().silu_mul_lanes())
+    return load_library(here / "silu_mul.c", "silu_mul_lanes", (here / "half.h",), flags,
+                        (f"-L{lib_dir}", "-ltorch_cpu", "-lc10"))
 
 
 _SILU_AVX2_CHECK = r"""
@@ -330,8 +326,8 @@ sys.path.insert(0, sys.argv[1])
 from tests.test_fused_ops import _all_bf16_gates, _silu_rows, silu_library
 from tpserve.layers import fused
 assert torch.backends.cpu.get_cpu_capability() == "AVX2"
-lib = silu_library("-mno-avx512f")
-assert lib.silu_mul_lanes() == 8
+lib, lanes = silu_library("-mno-avx512f")
+assert lanes == 8
 gate, up = _all_bf16_gates(torch.Generator().manual_seed(5))
 for inter in (1408, 31, 176):
     x = _silu_rows(gate, up, inter)
@@ -347,13 +343,10 @@ print("ok")
 def test_silu_mul_avx2_build_matches_atens_avx2_kernels() -> None:
     """The AVX2 path of silu_mul.c (built alone) against ATen running its AVX2 kernels
     (ATEN_CPU_CAPABILITY=avx2, in a child process: ATen reads it once), every bf16 gate."""
-    import subprocess
-    import sys
-
     if "avx2" not in Path("/proc/cpuinfo").read_text():
         pytest.skip("this CPU has no AVX2")
     root = Path(__file__).resolve().parent.parent
-    env = {**__import__("os").environ, "ATEN_CPU_CAPABILITY": "avx2"}
+    env = {**os.environ, "ATEN_CPU_CAPABILITY": "avx2"}
     run = subprocess.run([sys.executable, "-c", _SILU_AVX2_CHECK, str(root)], env=env,
                          capture_output=True, text=True, timeout=600, cwd=root)
     assert run.returncode == 0 and run.stdout.strip().endswith("ok"), run.stderr[-3000:]
