@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import os
 import sys
-from collections.abc import Callable, MutableMapping, Sequence
+from collections.abc import Callable, Mapping, MutableMapping, Sequence
 from pathlib import Path
 
 ENV = "TPSERVE_MALLOC"
@@ -50,15 +50,15 @@ def find_library(setting: str, dirs: Sequence[str] = LIBRARY_DIRS) -> str | None
     return None
 
 
-def preloaded(env: MutableMapping[str, str]) -> str | None:
-    """The malloc library ``LD_PRELOAD`` names (the one this process runs on), if any."""
+def preloaded(env: Mapping[str, str]) -> str | None:
+    """The malloc library ``LD_PRELOAD`` names, if any (``active_malloc`` checks it loaded)."""
     for entry in env.get("LD_PRELOAD", "").replace(":", " ").split():
         if any(key in Path(entry).name for key in ("tcmalloc", "jemalloc", "mimalloc")):
             return entry
     return None
 
 
-def active_malloc(env: MutableMapping[str, str], maps: str = "/proc/self/maps") -> str:
+def active_malloc(env: Mapping[str, str], maps: str = "/proc/self/maps") -> str:
     """The malloc this process runs on, for the server info: the preloaded library where the
     loader mapped it (``LD_PRELOAD`` names it, and it is in ``maps``, where that is readable),
     else ``glibc``."""
@@ -72,7 +72,7 @@ def active_malloc(env: MutableMapping[str, str], maps: str = "/proc/self/maps") 
     return path if os.path.realpath(path) in mapped or path in mapped else "glibc"
 
 
-def preload_malloc(env: MutableMapping[str, str], argv: Sequence[str], executable: str,
+def preload_malloc(env: Mapping[str, str], argv: Sequence[str], executable: str,
                    exec_fn: Exec = os.execve, dirs: Sequence[str] = LIBRARY_DIRS) -> None:
     """Re-execute this process (``executable`` with ``argv``) with the chosen library in
     ``LD_PRELOAD``, unless it runs on one already, the user said ``off``, it did so once, or
