@@ -38,9 +38,12 @@ class ServerArgs:
     shutdown_timeout_s: float = 10.0  # grace for in-flight requests on SIGTERM/SIGINT
     speculative_algorithm: str | None = None  # None | "EAGLE3"
     speculative_draft_model_path: str | None = None
+    # A 4-deep chain: the best fixed setting on the demo pair, and where the adaptive chooser
+    # starts (README, "Speculative decoding: what the server does by default"). Its KV
+    # reserve (lookahead + steps = 9) still admits live switches to trees of up to 8 nodes.
     speculative_num_steps: int = 4
-    speculative_eagle_topk: int = 2
-    speculative_num_draft_tokens: int = 8
+    speculative_eagle_topk: int = 1
+    speculative_num_draft_tokens: int = 5
     speculative_draft_tp: int = 1  # 1: every rank holds the whole draft (no draft collectives)
     speculative_draft_ranks: str = "auto"  # auto | all | one: which ranks run a replicated draft
     speculative_adaptive: str = "on"  # on | off: pick the speculative setting per step
@@ -110,7 +113,7 @@ FLAG_HELP = {
                                "(auto's choice on GPU) drafts the same tree on every rank with "
                                "no collective",
     "speculative_adaptive": "on (default): choose per step between plain decoding, chains and "
-                            "the launch tree from live cost and acceptance measurements; off: "
+                            "the launch setting from live cost and acceptance measurements; off: "
                             "pin the --speculative-* settings",
     "disable_cuda_graph": "GPU: run decode, draft and verify eagerly (no CUDA graphs)",
     "disable_radix_cache": "turn off prefix caching (reuse of KV pages of shared prompt prefixes)",
