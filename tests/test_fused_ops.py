@@ -253,6 +253,85 @@ def test_logsumexp_kernel_on_both_isa_paths(isa: str) -> None:
             assert n == 1 or probs[n // 2] == 0  # the -inf entry
 
 
+def _inverse_cdf64(row: torch.Tensor, inv_t: float, u: torch.Tensor) -> torch.Tensor:
+    """float64 reference: the first token whose cumulative weight exp((x - max) * inv_t)
+    exceeds u times the total, for each uniform in ``u``."""
+    weights = torch.exp((row.double() - row.double().max()) * inv_t)
+    cum = weights.cumsum(0)
+    return torch.searchsorted(cum, u * cum[-1], right=True).clamp(max=row.numel() - 1)
+
+
+def _near_a_boundary(row: torch.Tensor, inv_t: float, u: torch.Tensor) -> torch.Tensor:
+    """Uniforms within float rounding of a cumulative boundary, where float32 weights and
+    float64 ones may pick neighbouring tokens."""
+    weights = torch.exp((row.double() - row.double().max()) * inv_t)
+    cum = weights.cumsum(0) / weights.sum()
+    gap = (cum[None, :] - u[:, None]).abs().min(dim=1).values
+    return gap < 1e-5
+
+
+@pytest.mark.parametrize("isa", ["avx2", "avx512"])
+def test_draw_kernel_on_both_isa_paths(isa: str) -> None:
+    """logsumexp.c's draw built alone for each vector path: at row lengths around its vector
+    blocks and its 256-token draw blocks, at three temperatures, on a grid of uniforms, the
+    float64 inverse CDF's token (bar uniforms on a boundary), never a masked one."""
+    if isa == "avx512" and "avx512f" not in Path("/proc/cpuinfo").read_text():
+        pytest.skip("this CPU has no AVX-512 (its AVX2 path is tested)")
+    here = Path(fused.__file__).parent
+    flags = ("-mno-avx512f",) if isa == "avx2" else ()
+    lib, _ = load_library(here / "logsumexp.c", "logsumexp_lanes",
+                          (here / "attention" / "attn_simd.h", here / "half.h"), flags)
+    draw = lib.draw_tempered
+    draw.restype = ctypes.c_int64
+    draw.argtypes = (ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_float,
+                     ctypes.c_double, ctypes.c_void_p, ctypes.c_void_p)
+    blocks = lib.draw_blocks
+    blocks.restype, blocks.argtypes = ctypes.c_int64, (ctypes.c_int64,)
+    gen = torch.Generator().manual_seed(5)
+    uniforms = torch.cat([torch.tensor([0.0, 1.0 - 2.0 ** -53]),
+                          torch.rand(400, generator=gen, dtype=torch.float64)])
+    for n in (1, 7, 16, 33, 255, 256, 257, 1000, 32003):
+        row = torch.randn(n, generator=gen) * 3
+        if n > 2:
+            row[n // 2] = float("-inf")
+        work, sums = torch.empty(n), torch.empty(blocks(n), dtype=torch.float64)
+        for inv_t in (0.5, 1.0, 1.0 / 0.7):
+            want = _inverse_cdf64(row, inv_t, uniforms)
+            got = torch.tensor([draw(row.data_ptr(), n, float(row.max()), inv_t, float(u),
+                                     work.data_ptr(), sums.data_ptr()) for u in uniforms])
+            assert n <= 2 or not (got == n // 2).any(), (n, inv_t)  # the masked token
+            differ = got != want
+            assert not (differ & ~_near_a_boundary(row, inv_t, uniforms)).any(), (n, inv_t)
+        assert draw(row.data_ptr(), n, float(row.max()), float("inf"), 0.5, work.data_ptr(),
+                    sums.data_ptr()) == -1
+
+
+def test_sample_tempered_op_matches_the_reference_and_the_general_logprob() -> None:
+    """``tpserve::sample_tempered``: each row's token is the float64 inverse CDF's for its own
+    temperature and uniform, its log-probability the general path's (logit - logsumexp), and
+    rows it cannot draw (a maximum that is not finite, a non-finite inverse temperature) come
+    back as -1 from the op and its reference alike."""
+    gen = torch.Generator().manual_seed(8)
+    logits = torch.randn(6, 3001, generator=gen) * 4
+    logits[1, 100:2000] = float("-inf")
+    logits[4] = float("-inf")
+    logits[4, 9] = float("inf")  # maximum not finite
+    inv = torch.tensor([1.0, 1.25, 0.5, 2.0, 1.0, float("inf")])
+    uniforms = torch.rand(6, generator=gen, dtype=torch.float64)
+    tokens, lps = torch.ops.tpserve.sample_tempered(logits, inv, uniforms)
+    ref_tokens, ref_lps = fused.sample_tempered_reference(logits, inv, uniforms)
+    assert tokens[4] == -1 and tokens[5] == -1
+    assert torch.equal(ref_tokens[4:], tokens[4:])
+    for r in range(4):
+        assert int(tokens[r]) == int(_inverse_cdf64(logits[r], float(inv[r]), uniforms[r:r + 1]))
+        assert int(ref_tokens[r]) == int(tokens[r])
+    general = (logits.gather(1, tokens[:4, None].clamp(min=0)).squeeze(1)
+               - torch.ops.tpserve.logsumexp(logits)[:4])
+    assert torch.equal(lps[:4], general)
+    assert torch.allclose(ref_lps[:4], general, atol=1e-5)
+    assert not (100 <= tokens[1] < 2000)
+
+
 @pytest.mark.parametrize("isa", ["avx2", "avx512"])
 def test_argmax_kernel_on_both_isa_paths(isa: str) -> None:
     """argmax.c built alone for each vector path, against torch.argmax (first max, NaN first)."""

@@ -12,6 +12,7 @@ import torch
 from tpserve.engine.sampler import (
     apply_min_tokens,
     apply_penalties,
+    inverse_cdf,
     make_generator,
     sample,
     target_probs,
@@ -152,6 +153,45 @@ def test_sampling_frequencies_match_target_probs(seeded: bool) -> None:
     # The same statistic rejects a plausible wrong answer (top-p skipped), so it has power.
     wrong = target_probs(base.log()[None], [SamplingParams(temperature=1.5, top_k=4)])[0]
     assert float((freq - wrong.double()).abs().max()) > 0.05
+
+
+@pytest.mark.parametrize("seeded", [False, True])
+def test_temperature_only_frequencies_match_target_probs(seeded: bool) -> None:
+    """Rows with a temperature and no filter take the one-call native draw."""
+    base = torch.softmax(torch.tensor([2.0, 1.6, 1.2, 1.0, 0.7, 0.3, 0.0, -0.5]), -1)
+    params = SamplingParams(temperature=0.8)
+    draws = 4000 if seeded else 40000
+    target = target_probs(base.log()[None], [params])[0]
+    freq = _frequencies(base, params, draws, seeded)
+    assert _max_z(freq, target, draws) < 4.5
+    wrong = target_probs(base.log()[None], [SamplingParams(temperature=1.0)])[0]
+    assert float((freq - wrong.double()).abs().max()) > 0.03
+
+
+def test_every_draw_is_the_inverse_cdf_of_one_uniform() -> None:
+    """The native temperature draw and the general (filtered) path pick alike: the token where
+    the row generator's next float64 uniform falls in target_probs' cumulative distribution;
+    the log-probability is the model's own (untempered)."""
+    logits = torch.randn(4, 5000, generator=torch.Generator().manual_seed(6)) * 3
+    params = [SamplingParams(temperature=t) for t in (0.6, 1.0, 1.4, 2.0)]
+    seeds = [11, 12, 13, 14]
+    got = sample(logits, params, [make_generator(s, 0) for s in seeds])
+    u = torch.tensor([torch.rand(1, dtype=torch.float64, generator=make_generator(s, 0)).item()
+                      for s in seeds])
+    assert torch.equal(got.tokens, inverse_cdf(target_probs(logits, params), u))
+    torch.testing.assert_close(
+        got.logprobs, torch.log_softmax(logits, -1).gather(1, got.tokens[:, None]).squeeze(1))
+    filtered = [SamplingParams(temperature=p.temperature, top_p=0.999999) for p in params]
+    general = sample(logits, filtered, [make_generator(s, 0) for s in seeds])
+    assert torch.equal(general.tokens, inverse_cdf(target_probs(logits, filtered), u))
+
+
+def test_inverse_cdf_skips_tokens_without_mass() -> None:
+    probs = torch.tensor([[0.0, 0.5, 0.0, 0.5, 0.0], [0.0, 0.0, 0.0, 0.0, 2.0]])
+    u = torch.tensor([0.0, 0.999999], dtype=torch.float64)
+    assert inverse_cdf(probs, u).tolist() == [1, 4]
+    assert inverse_cdf(probs[:1], torch.tensor([0.5], dtype=torch.float64)).tolist() == [3]
+    assert inverse_cdf(probs[:1], torch.tensor([0.4999], dtype=torch.float64)).tolist() == [1]
 
 
 def test_same_seed_same_tokens_different_seed_differs() -> None:

@@ -159,12 +159,26 @@ def target_probs(logits: Tensor, params: Sequence[SamplingParams]) -> Tensor:
     return probs
 
 
-def _draw(
-    probs: Tensor, generators: Sequence[torch.Generator | None], fallback: torch.Generator | None
-) -> Tensor:
-    """One multinomial draw per row: seeded rows use their own generator (so their stream does
-    not depend on batch composition); unseeded rows share one batched draw from `fallback`."""
-    tokens = torch.empty(probs.shape[0], dtype=torch.long, device=probs.device)
+def inverse_cdf(probs: Tensor, uniforms: Tensor) -> Tensor:
+    """Row i's token: the first whose cumulative probability exceeds ``uniforms[i]`` (in
+    [0, 1)) times the row's total, i.e. a draw from ``probs`` [n, V] (rows need not sum to
+    exactly 1; zero-probability tokens are never chosen).
+
+    Why not ``torch.multinomial``: for one sample it draws V exponentials (its Gumbel-style
+    fast path), ~650 us a row at a 32000-token vocabulary on one thread against ~35 us for
+    a cumulative sum and a search, on every sampled decode step."""
+    cum = probs.double().cumsum(dim=-1)
+    target = uniforms.to(device=cum.device, dtype=cum.dtype).unsqueeze(1) * cum[:, -1:]
+    picks = torch.searchsorted(cum, target, right=True).squeeze(1)
+    return picks.clamp_(max=probs.shape[-1] - 1)
+
+
+def draw_uniforms(generators: Sequence[torch.Generator | None], fallback: torch.Generator | None,
+             device: torch.device) -> Tensor:
+    """One float64 uniform per row: seeded rows from their own generator (so their stream
+    does not depend on batch composition), unseeded rows from one batched draw of
+    ``fallback``."""
+    out = torch.empty(len(generators), dtype=torch.float64)
     unseeded = [i for i, gen in enumerate(generators) if gen is None]
     if unseeded:
         if fallback is None:
@@ -172,14 +186,20 @@ def _draw(
                 f"row {unseeded[0]} has no generator and no fallback_generator was given; "
                 "sampling never uses the global RNG"
             )
-        idx = torch.tensor(unseeded, device=probs.device)
-        tokens[idx] = torch.multinomial(probs[idx], 1, generator=fallback).squeeze(1)
+        drawn = torch.rand(len(unseeded), dtype=torch.float64, generator=fallback,
+                           device=fallback.device)
+        out[torch.tensor(unseeded)] = drawn.cpu()
     for i, gen in enumerate(generators):
-        if gen is not None:
-            # A generator draws only on its own device (requests get CPU generators).
-            row = probs[i] if gen.device == probs.device else probs[i].to(gen.device)
-            tokens[i] = torch.multinomial(row, 1, generator=gen)[0]
-    return tokens
+        if gen is not None:  # a generator draws only on its own device
+            out[i] = torch.rand(1, dtype=torch.float64, generator=gen, device=gen.device).item()
+    return out.to(device)
+
+
+def _draw(
+    probs: Tensor, generators: Sequence[torch.Generator | None], fallback: torch.Generator | None
+) -> Tensor:
+    """One draw per row of ``probs`` (``inverse_cdf``) with one uniform each (``draw_uniforms``)."""
+    return inverse_cdf(probs, draw_uniforms(generators, fallback, probs.device))
 
 
 def _top_logprobs(
@@ -192,6 +212,24 @@ def _top_logprobs(
         list(zip(indices_l[i][: p.logprobs], values_l[i][: p.logprobs], strict=True))
         for i, p in enumerate(params)
     ]
+
+
+def _tempered(
+    logits: Tensor,
+    params: Sequence[SamplingParams],
+    generators: Sequence[torch.Generator | None],
+    fallback: torch.Generator | None,
+) -> SampleResult | None:
+    """Every row sampled at a temperature alone (no top-k / top-p / min-p, no top
+    log-probabilities asked): one native call (``fused.sample_tempered``), the draw and its
+    log-probability as ``sample``'s general path makes them. None where a row needs that path
+    (its maximum not finite: extreme penalties)."""
+    inv = torch.tensor([1.0 / p.temperature for p in params], dtype=torch.float32)
+    tokens, chosen = fused.sample_tempered(logits, inv.to(logits.device),
+                                           draw_uniforms(generators, fallback, logits.device))
+    if bool((tokens < 0).any()):
+        return None
+    return SampleResult(tokens, chosen, None)
 
 
 def sample(
@@ -212,6 +250,10 @@ def sample(
     if not want_top and all(p.greedy for p in params):  # plain decode: one op on CPU
         tokens, chosen = fused.greedy_logprob(logits)
         return SampleResult(tokens, chosen, None)
+    if not want_top and not any(p.greedy for p in params) and not _needs_filtering(params):
+        result = _tempered(logits, params, generators, fallback_generator)
+        if result is not None:
+            return result
     tokens = logits.argmax(dim=-1)
     sampled_rows = [i for i, p in enumerate(params) if not p.greedy]
     if sampled_rows:
@@ -226,4 +268,3 @@ def sample(
     # Without top-logprobs, logit - logsumexp avoids materialising a second [B, V] tensor.
     chosen = logits.gather(1, tokens.unsqueeze(1)).squeeze(1) - fused.logsumexp(logits)
     return SampleResult(tokens, fused.finite_logprobs(chosen), None)
-

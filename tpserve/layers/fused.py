@@ -74,6 +74,24 @@ def softmax_reference(logits: torch.Tensor) -> torch.Tensor:
     return torch.softmax(logits, dim=-1)
 
 
+def sample_tempered_reference(logits: torch.Tensor, inv_temps: torch.Tensor,
+                              uniforms: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(tokens, log-probabilities) of one draw per row from softmax(logits * inv_temps) with
+    ``uniforms`` (the first token whose cumulative probability exceeds u); token -1 where a
+    row's maximum or its inverse temperature is not finite (the caller samples it otherwise)."""
+    top = logits.max(dim=-1).values
+    ok = torch.isfinite(top) & torch.isfinite(inv_temps) & (inv_temps > 0)
+    scaled = (logits - top[:, None]) * inv_temps[:, None]
+    probs = torch.softmax(scaled.masked_fill(~ok[:, None], 0.0), dim=-1).double()
+    cum = probs.cumsum(dim=-1)
+    picks = torch.searchsorted(cum, (uniforms.double() * cum[:, -1])[:, None], right=True)
+    tokens = picks.squeeze(1).clamp(max=logits.shape[-1] - 1)
+    chosen = logits.gather(1, tokens[:, None]).squeeze(1) - logits.logsumexp(dim=-1)
+    lowest = torch.finfo(logits.dtype).min
+    return (torch.where(ok, tokens, -1),
+            torch.where(ok, finite_logprobs(chosen), torch.full_like(chosen, lowest)))
+
+
 def rotary_rows_reference(cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
                           dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     return cos[positions].unsqueeze(1).to(dtype), sin[positions].unsqueeze(1).to(dtype)
@@ -165,6 +183,16 @@ def softmax(logits: torch.Tensor) -> torch.Tensor:
     return softmax_reference(logits)
 
 
+def sample_tempered(logits: torch.Tensor, inv_temps: torch.Tensor, uniforms: torch.Tensor
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """One draw per row of fp32 logits [B, V] at temperature 1 / ``inv_temps`` [B] fp32 with
+    ``uniforms`` [B] float64, and its log-probability under the model's distribution (see
+    ``sample_tempered_reference``; token -1: a row to sample another way)."""
+    if _native_defined(logits):
+        return torch.ops.tpserve.sample_tempered(logits.contiguous(), inv_temps, uniforms)
+    return sample_tempered_reference(logits, inv_temps, uniforms)
+
+
 def move_slots_reference(pools: list[torch.Tensor], src: list[int], dst: list[int]) -> None:
     """KV entries copied slot-wise in every layer of each pool [layers, slots, ...], every
     source read before any destination is written (``src`` and ``dst`` may overlap)."""
@@ -188,12 +216,15 @@ def define_fallbacks(lib: torch.library.Library) -> None:
     lib.define("greedy_logprob(Tensor logits) -> (Tensor, Tensor)")
     lib.define("logsumexp(Tensor logits) -> Tensor")
     lib.define("softmax(Tensor logits) -> Tensor")
+    lib.define("sample_tempered(Tensor logits, Tensor inv_temps, Tensor uniforms) "
+               "-> (Tensor, Tensor)")
     lib.define("move_slots(Tensor(a!)[] pools, int[] src, int[] dst) -> ()")
     for name, fn in (("rms_norm", rms_norm_reference), ("add_rms_norm", add_rms_norm_reference),
                      ("rotary_qk", rotary_qk_reference), ("silu_mul", silu_mul_reference),
                      ("rotary_rows", rotary_rows_reference),
                      ("greedy_logprob", greedy_logprob_reference),
                      ("logsumexp", logsumexp_reference), ("softmax", softmax_reference),
+                     ("sample_tempered", sample_tempered_reference),
                      ("move_slots", move_slots_reference)):
         lib.impl(name, fn, "CompositeExplicitAutograd")
 
@@ -227,6 +258,12 @@ def register_fakes() -> None:
     @torch.library.register_fake("tpserve::softmax")
     def _(logits: torch.Tensor) -> torch.Tensor:
         return torch.empty_like(logits)
+
+    @torch.library.register_fake("tpserve::sample_tempered")
+    def _(logits: torch.Tensor, inv_temps: torch.Tensor, uniforms: torch.Tensor
+          ) -> tuple[torch.Tensor, torch.Tensor]:
+        rows = logits.shape[0]
+        return logits.new_empty(rows, dtype=torch.long), logits.new_empty(rows)
 
     @torch.library.register_fake("tpserve::rotary_rows")
     def _(cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype

@@ -20,7 +20,13 @@ from dataclasses import dataclass
 import torch
 
 from tpserve.engine.request import Request
-from tpserve.engine.sampler import apply_min_tokens, apply_penalties, target_probs
+from tpserve.engine.sampler import (
+    apply_min_tokens,
+    apply_penalties,
+    draw_uniforms,
+    inverse_cdf,
+    target_probs,
+)
 from tpserve.layers.fused import greedy_logprob
 
 
@@ -228,9 +234,8 @@ def _draw_bonus(probs: torch.Tensor, walks: list[Walk], generators: list[torch.G
     if hit:
         residual[torch.tensor(hit, device=probs.device).T.unbind()] = 0.0
     residual = torch.where(residual.sum(dim=1, keepdim=True) > 0, residual, rows)
-    weights = residual / residual.sum(dim=1, keepdim=True)  # as plain sampling draws
-    return torch.cat([torch.multinomial(_on(weights[s], g.device), 1, generator=g)
-                      for s, g in enumerate(generators)]).tolist()
+    # as plain sampling draws: one uniform from each request's generator, inverse CDF
+    return inverse_cdf(residual, draw_uniforms(generators, None, residual.device)).tolist()
 
 
 def _on(t: torch.Tensor, device: torch.device) -> torch.Tensor:
