@@ -281,10 +281,19 @@ def test_draw_kernel_on_both_isa_paths(isa: str) -> None:
     flags = ("-mno-avx512f",) if isa == "avx2" else ()
     lib, _ = load_library(here / "logsumexp.c", "logsumexp_lanes",
                           (here / "attention" / "attn_simd.h", here / "half.h"), flags)
-    draw = lib.draw_tempered
-    draw.restype = ctypes.c_int64
-    draw.argtypes = (ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_float,
-                     ctypes.c_double, ctypes.c_void_p, ctypes.c_void_p)
+    weigh = lib.tempered_weights
+    weigh.restype = ctypes.c_double
+    weigh.argtypes = (ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_float,
+                      ctypes.c_void_p, ctypes.c_void_p)
+    walk = lib.draw_weights
+    walk.restype = ctypes.c_int64
+    walk.argtypes = (ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_double,
+                     ctypes.c_double)
+
+    def draw(row: int, n: int, top: float, inv_t: float, u: float, work: int, sums: int) -> int:
+        total = weigh(row, n, top, inv_t, work, sums)
+        return walk(work, n, sums, total, u) if total > 0 else -1
+
     blocks = lib.draw_blocks
     blocks.restype, blocks.argtypes = ctypes.c_int64, (ctypes.c_int64,)
     gen = torch.Generator().manual_seed(5)
@@ -306,11 +315,16 @@ def test_draw_kernel_on_both_isa_paths(isa: str) -> None:
                     sums.data_ptr()) == -1
 
 
-def test_sample_tempered_op_matches_the_reference_and_the_general_logprob() -> None:
-    """``tpserve::sample_tempered``: each row's token is the float64 inverse CDF's for its own
-    temperature and uniform, its log-probability the general path's (logit - logsumexp), and
-    rows it cannot draw (a maximum that is not finite, a non-finite inverse temperature) come
-    back as -1 from the op and its reference alike."""
+def _no_filter(rows: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return (torch.zeros(rows, dtype=torch.long), torch.ones(rows, dtype=torch.float64),
+            torch.zeros(rows, dtype=torch.float64))
+
+
+def test_sample_rows_op_matches_the_reference_and_the_general_logprob() -> None:
+    """``tpserve::sample_rows`` unfiltered: each row's token is the float64 inverse CDF's for
+    its own temperature and uniform, its log-probability the general path's (logit -
+    logsumexp), and rows it cannot draw (a maximum that is not finite, a non-finite inverse
+    temperature) come back as -1 from the op and its reference alike."""
     gen = torch.Generator().manual_seed(8)
     logits = torch.randn(6, 3001, generator=gen) * 4
     logits[1, 100:2000] = float("-inf")
@@ -318,8 +332,8 @@ def test_sample_tempered_op_matches_the_reference_and_the_general_logprob() -> N
     logits[4, 9] = float("inf")  # maximum not finite
     inv = torch.tensor([1.0, 1.25, 0.5, 2.0, 1.0, float("inf")])
     uniforms = torch.rand(6, generator=gen, dtype=torch.float64)
-    tokens, lps = torch.ops.tpserve.sample_tempered(logits, inv, uniforms)
-    ref_tokens, ref_lps = fused.sample_tempered_reference(logits, inv, uniforms)
+    tokens, lps = torch.ops.tpserve.sample_rows(logits, inv, *_no_filter(6), uniforms)
+    ref_tokens, ref_lps = fused.sample_rows_reference(logits, inv, *_no_filter(6), uniforms)
     assert tokens[4] == -1 and tokens[5] == -1
     assert torch.equal(ref_tokens[4:], tokens[4:])
     for r in range(4):
@@ -330,6 +344,37 @@ def test_sample_tempered_op_matches_the_reference_and_the_general_logprob() -> N
     assert torch.equal(lps[:4], general)
     assert torch.allclose(ref_lps[:4], general, atol=1e-5)
     assert not (100 <= tokens[1] < 2000)
+
+
+@pytest.mark.parametrize("vocab", [50, 3001, 20000])
+def test_sample_rows_filters_as_the_sampler_does(vocab: int) -> None:
+    """Filtered rows (top-k, top-p, min-p and their mixes, flat and peaked, with masked tokens
+    and ties): over a grid of uniforms the op draws what the float64 reference of the
+    sampler's filters draws: a token kept or dropped wrongly would move every boundary
+    after it."""
+    gen = torch.Generator().manual_seed(vocab)
+    filters = [(5, 1.0, 0.0), (0, 0.9, 0.0), (0, 0.3, 0.0), (0, 1.0, 0.05), (40, 0.8, 0.0),
+               (10, 0.95, 0.1), (0, 0.6, 0.2), (1000000, 1.0, 0.0), (vocab - 1, 0.99, 0.0),
+               (3, 1e-9, 0.0)]
+    rows = len(filters)
+    scales = torch.tensor([3.0, 1.0, 5.0, 2.0, 0.5, 4.0, 1.5, 3.0, 0.2, 2.0])[:, None]
+    logits = torch.randn(rows, vocab, generator=gen) * scales
+    logits[:, 1::7] = float("-inf")
+    logits[2, :4] = logits[2].max() + 1.0  # a tie at the top
+    inv = torch.tensor([1.0, 1.3, 0.7, 1.0, 2.0, 1.0, 0.5, 1.0, 1.0, 1.0])
+    k = torch.tensor([f[0] for f in filters])
+    p = torch.tensor([f[1] for f in filters], dtype=torch.float64)
+    m = torch.tensor([f[2] for f in filters], dtype=torch.float64)
+    uniforms = torch.linspace(0.0, 1.0 - 1e-9, 201, dtype=torch.float64)
+    for r in range(rows):
+        many = logits[r : r + 1].expand(len(uniforms), vocab).contiguous()
+        args = (many, inv[r].expand(len(uniforms)).contiguous(), k[r].expand(len(uniforms)),
+                p[r].expand(len(uniforms)), m[r].expand(len(uniforms)), uniforms)
+        got = torch.ops.tpserve.sample_rows(*[a.contiguous() for a in args])[0]
+        want = fused.sample_rows_reference(*args)[0]
+        assert (logits[r, got] > float("-inf")).all(), filters[r]
+        # Equal bar a uniform on a boundary (float32 weights against float64), none seen.
+        assert int((got != want).sum()) <= 1, filters[r]
 
 
 @pytest.mark.parametrize("isa", ["avx2", "avx512"])

@@ -214,19 +214,26 @@ def _top_logprobs(
     ]
 
 
-def _tempered(
+def _native_draw(
     logits: Tensor,
     params: Sequence[SamplingParams],
     generators: Sequence[torch.Generator | None],
     fallback: torch.Generator | None,
 ) -> SampleResult | None:
-    """Every row sampled at a temperature alone (no top-k / top-p / min-p, no top
-    log-probabilities asked): one native call (``fused.sample_tempered``), the draw and its
-    log-probability as ``sample``'s general path makes them. None where a row needs that path
-    (its maximum not finite: extreme penalties)."""
-    inv = torch.tensor([1.0 / p.temperature for p in params], dtype=torch.float32)
-    tokens, chosen = fused.sample_tempered(logits, inv.to(logits.device),
-                                           draw_uniforms(generators, fallback, logits.device))
+    """Every row sampled (none greedy, no top log-probabilities asked): one call
+    (``fused.sample_rows``), each row's draw from its ``target_probs`` distribution by the
+    inverse CDF of one uniform, and its log-probability as ``sample``'s general path makes it.
+    None where a row needs that path (its maximum not finite: extreme penalties)."""
+    def column(values: list, dtype: torch.dtype) -> Tensor:
+        return torch.tensor(values, dtype=dtype).to(logits.device)
+
+    vocab = logits.shape[-1]
+    tokens, chosen = fused.sample_rows(
+        logits, column([1.0 / p.temperature for p in params], torch.float32),
+        column([min(p.top_k, vocab) if p.top_k > 0 else 0 for p in params], torch.int64),
+        column([p.top_p for p in params], torch.float64),
+        column([p.min_p for p in params], torch.float64),
+        draw_uniforms(generators, fallback, logits.device))
     if bool((tokens < 0).any()):
         return None
     return SampleResult(tokens, chosen, None)
@@ -250,8 +257,8 @@ def sample(
     if not want_top and all(p.greedy for p in params):  # plain decode: one op on CPU
         tokens, chosen = fused.greedy_logprob(logits)
         return SampleResult(tokens, chosen, None)
-    if not want_top and not any(p.greedy for p in params) and not _needs_filtering(params):
-        result = _tempered(logits, params, generators, fallback_generator)
+    if not want_top and not any(p.greedy for p in params):
+        result = _native_draw(logits, params, generators, fallback_generator)
         if result is not None:
             return result
     tokens = logits.argmax(dim=-1)

@@ -328,36 +328,256 @@ std::tuple<at::Tensor, at::Tensor> greedy_logprob(const at::Tensor &logits) {
     return {tokens, logprobs};
 }
 
-// Temperature-sampled rows: each row's draw from softmax(logits * inv_temps[r]) with the
-// uniform uniforms[r] (logsumexp.c's draw_tempered) and its log-probability under the model's
-// own distribution, logit - logsumexp (the value greedy_logprob and the sampler's general path
-// report). One call instead of ~15 small ops and torch.multinomial. A row that cannot be
-// drawn this way (a maximum that is not finite, a non-finite or non-positive inverse
-// temperature) gets token -1: the sampler takes its general path for the batch.
-std::tuple<at::Tensor, at::Tensor> sample_tempered(const at::Tensor &logits,
-                                                   const at::Tensor &inv_temps,
-                                                   const at::Tensor &uniforms) {
-    check_logit_rows(logits, "sample_tempered");
+// A filtered row's draw (top-k, top-p, min-p over its tempered weights, in sampler.py's
+// order and with its rules: top-k keeps the k best by weight, ties to the lower index;
+// top-p the shortest best-first prefix whose mass, among the top-k survivors, reaches p;
+// min-p those at least p times the best), without sorting the vocabulary. Top-k and top-p
+// both keep a best-first prefix, so what survives is every token better than the prefix's
+// last one, less those under min-p. A histogram over weight buckets (an eighth of an octave
+// each, best first) says in which bucket the prefix ends; only that bucket's tokens are
+// ranked. Then one draw with u over the survivors in token order, as sampler.inverse_cdf
+// walks target_probs. `w`: tempered_weights (the best is 1), `total` their sum.
+//
+// Why: the general path sorts the whole row (torch.sort and ~15 more ops): 3 ms a row at a
+// 32000-token vocabulary and 15 ms at 128256 on one thread, for every request that sends a
+// top_p (most OpenAI clients do).
+class FilteredDraw {
+  public:
+    int64_t operator()(const float *w, int64_t n, double total, int64_t top_k, double top_p,
+                       double min_p, double u) {
+        // The best-first prefix top-k and top-p keep: its last token (a tie to it goes by
+        // index), or, where it ends at a bucket boundary, every token in a bucket before `cut`.
+        int cut = kBuckets;
+        int64_t take = 0;
+        if (top_k > 0 && top_k < n) {
+            best_k(w, n, top_k);  // ranked_: the k best, best first
+            if (ranked_.empty()) return -1;
+            take = static_cast<int64_t>(ranked_.size());
+            if (top_p < 1.0) {  // measured among the top-k survivors
+                double denom = 0.0;
+                for (const auto &c : ranked_) denom += c.first;
+                take = prefix_until(top_p * denom, 0.0, 0, take);
+            }
+            return draw_ranked(take, static_cast<float>(min_p), u);
+        } else if (top_p < 1.0) {
+            histogram(w, n);
+            // First token j > 0 whose mass before it reaches top_p: it and all after go.
+            const double limit = top_p * total;
+            double before = 0.0;
+            int64_t kept = 0;
+            for (int b = 0; b < kBuckets; b++) {
+                if (before + mass_[b] < limit || count_[b] == 0) {
+                    before += mass_[b];
+                    kept += count_[b];
+                    continue;
+                }
+                if (kept > 0 && before >= limit) {  // ends before this bucket
+                    cut = b;
+                    break;
+                }
+                rank_bucket(w, n, b);
+                cut = b;
+                take = prefix_until(limit, before, kept, count_[b]);
+                break;
+            }
+        }
+        // What survives, as weight comparisons: better than the prefix's last token (a tie
+        // to it by index), or in a bucket before `cut`; and at least min_p (the best is 1).
+        const bool partial = cut < kBuckets && take > 0;
+        const std::pair<float, int64_t> last = partial ? ranked_[take - 1]
+                                                       : std::pair<float, int64_t>{0.0f, -1};
+        const float edge = partial ? last.first
+                           : cut >= kBuckets ? 0.0f
+                           : cut > 0 ? lower_edge(cut - 1)
+                                     : 2.0f;  // nothing before bucket 0: nothing kept
+        const float low = std::max(edge, static_cast<float>(min_p));
+        const auto keeps = [&](int64_t i) {
+            const float x = w[i];
+            return x > 0.0f && x >= low &&
+                   (!partial || x > last.first || i <= last.second);
+        };
+        double kept = 0.0;
+        for (int64_t i = 0; i < n; i++)
+            if (keeps(i)) kept += w[i];
+        if (!(kept > 0.0)) return -1;
+        const double target = u * kept;
+        double before = 0.0;
+        int64_t pick = -1;
+        for (int64_t i = 0; i < n; i++)
+            if (keeps(i)) {
+                before += w[i];
+                pick = i;
+                if (before > target) break;
+            }
+        return pick;
+    }
+
+  private:
+    static constexpr int kBuckets = 1024;
+
+    // ranked_ best first (weight, then the lower index): better(a, b).
+    static bool better(const std::pair<float, int64_t> &a, const std::pair<float, int64_t> &b) {
+        return a.first > b.first || (a.first == b.first && a.second < b.second);
+    }
+
+    // The k best tokens of w (weight > 0), best first, into ranked_: one pass against the
+    // worst so far (a heap of k), which few tokens beat; then k log k to order them.
+    void best_k(const float *w, int64_t n, int64_t k) {
+        ranked_.clear();
+        for (int64_t i = 0; i < n; i++) {
+            const float x = w[i];
+            if (!(x > 0.0f)) continue;
+            if (static_cast<int64_t>(ranked_.size()) < k) {
+                ranked_.push_back({x, i});
+                std::push_heap(ranked_.begin(), ranked_.end(), better);
+            } else if (x > ranked_.front().first) {  // a tie loses: its index is higher
+                std::pop_heap(ranked_.begin(), ranked_.end(), better);
+                ranked_.back() = {x, i};
+                std::push_heap(ranked_.begin(), ranked_.end(), better);
+            }
+        }
+        std::sort(ranked_.begin(), ranked_.end(), better);
+    }
+
+    // A draw with u over ranked_'s first `take` tokens at least `floor` (min-p), in token
+    // order: the top-k survivors are all in ranked_, so no pass over the vocabulary.
+    int64_t draw_ranked(int64_t take, float floor, double u) {
+        ranked_.resize(take);
+        ranked_.erase(std::remove_if(ranked_.begin(), ranked_.end(),
+                                     [floor](const std::pair<float, int64_t> &c) {
+                                         return c.first < floor;
+                                     }),
+                      ranked_.end());
+        std::sort(ranked_.begin(), ranked_.end(),
+                  [](const std::pair<float, int64_t> &a, const std::pair<float, int64_t> &b) {
+                      return a.second < b.second;
+                  });
+        double kept = 0.0;
+        for (const auto &c : ranked_) kept += c.first;
+        const double target = u * kept;
+        double before = 0.0;
+        for (const auto &c : ranked_) {
+            before += c.first;
+            if (before > target) return c.second;
+        }
+        return ranked_.empty() ? -1 : ranked_.back().second;
+    }
+
+    // How many of ranked_'s first `room` tokens top-p keeps after `kept` better ones of mass
+    // `before`: up to the first whose mass before it reaches `limit` (the very first always).
+    int64_t prefix_until(double limit, double before, int64_t kept, int64_t room) const {
+        int64_t j = 0;
+        for (; j < room; j++) {
+            if (kept + j > 0 && before >= limit) break;
+            before += ranked_[j].first;
+        }
+        return j;
+    }
+
+    // Token counts and weight per bucket, in two interleaved halves summed at the end:
+    // neighbouring tokens often share a bucket, and one table made every update wait for the
+    // last one's store.
+    void histogram(const float *w, int64_t n) {
+        int64_t count[2][kBuckets] = {};
+        double mass[2][kBuckets] = {};
+        int64_t i = 0;
+        for (; i + 1 < n; i += 2)
+            for (int h = 0; h < 2; h++) {
+                const float x = w[i + h];
+                if (x > 0.0f) {
+                    const int b = bucket(x);
+                    count[h][b]++;
+                    mass[h][b] += x;
+                }
+            }
+        if (i < n && w[i] > 0.0f) {
+            count[0][bucket(w[i])]++;
+            mass[0][bucket(w[i])] += w[i];
+        }
+        for (int b = 0; b < kBuckets; b++) {
+            count_[b] = count[0][b] + count[1][b];
+            mass_[b] = mass[0][b] + mass[1][b];
+        }
+    }
+
+    // The smallest weight in bucket b (its octave's exponent, its three mantissa bits).
+    static float lower_edge(int b) {
+        const uint32_t bits = (static_cast<uint32_t>(127 - b / 8) << 23) |
+                              (static_cast<uint32_t>(7 - b % 8) << 20);
+        float x;
+        std::memcpy(&x, &bits, sizeof x);
+        return x;
+    }
+
+    // A weight in (0, 1]'s bucket, best first: 8 per octave by the top three mantissa bits.
+    static int bucket(float x) {
+        uint32_t bits;
+        std::memcpy(&bits, &x, sizeof bits);
+        const int exponent = static_cast<int>((bits >> 23) & 0xff);
+        const int octave = std::min(127, std::max(0, 127 - exponent));
+        return octave * 8 + (7 - static_cast<int>((bits >> 20) & 7));
+    }
+
+    // Bucket b's tokens, best first (weight, then the lower index), into ranked_.
+    void rank_bucket(const float *w, int64_t n, int b) {
+        ranked_.clear();
+        const float low = lower_edge(b), high = b > 0 ? lower_edge(b - 1) : 2.0f;
+        for (int64_t i = 0; i < n; i++)
+            if (w[i] >= low && w[i] < high) ranked_.push_back({w[i], i});
+        std::sort(ranked_.begin(), ranked_.end(), better);
+    }
+
+
+    int64_t count_[kBuckets];
+    double mass_[kBuckets];
+    std::vector<std::pair<float, int64_t>> ranked_;
+};
+
+// Sampled rows: each row's draw from softmax(logits * inv_temps[r]) (logsumexp.c's
+// tempered_weights), filtered by top_k / top_p / min_p where a row asks (FilteredDraw, else
+// the whole distribution: draw_weights), with the uniform uniforms[r]; and its
+// log-probability under the model's own distribution, logit - logsumexp (what greedy_logprob
+// and the sampler's general path report). One call instead of ~15 small ops, torch.sort and
+// torch.multinomial. A row that cannot be drawn this way (a maximum that is not finite, a
+// non-finite or non-positive inverse temperature) gets token -1: the sampler takes its
+// general path for the batch.
+std::tuple<at::Tensor, at::Tensor> sample_rows(const at::Tensor &logits,
+                                               const at::Tensor &inv_temps,
+                                               const at::Tensor &top_k, const at::Tensor &top_p,
+                                               const at::Tensor &min_p,
+                                               const at::Tensor &uniforms) {
+    check_logit_rows(logits, "sample_rows");
     const int64_t rows = logits.size(0), vocab = logits.size(1);
-    TORCH_CHECK(inv_temps.scalar_type() == at::kFloat && inv_temps.is_contiguous() &&
-                    inv_temps.numel() == rows && uniforms.scalar_type() == at::kDouble &&
-                    uniforms.is_contiguous() && uniforms.numel() == rows,
-                "tpserve::sample_tempered: fp32 inv_temps and float64 uniforms, one per row");
+    const auto one_each = [rows](const at::Tensor &t, at::ScalarType type) {
+        return t.scalar_type() == type && t.is_contiguous() && t.numel() == rows;
+    };
+    TORCH_CHECK(one_each(inv_temps, at::kFloat) && one_each(top_k, at::kLong) &&
+                    one_each(top_p, at::kDouble) && one_each(min_p, at::kDouble) &&
+                    one_each(uniforms, at::kDouble),
+                "tpserve::sample_rows: one per row: fp32 inv_temps, int64 top_k, float64 "
+                "top_p, min_p and uniforms");
     at::Tensor tokens = at::empty({rows}, logits.options().dtype(at::kLong));
     at::Tensor logprobs = at::empty({rows}, logits.options());
     std::vector<float> weights(vocab);
     std::vector<double> sums(draw_blocks(vocab));
+    FilteredDraw filtered;
     const float *x = logits.const_data_ptr<float>(), *inv = inv_temps.const_data_ptr<float>();
+    const int64_t *k = top_k.const_data_ptr<int64_t>();
+    const double *p = top_p.const_data_ptr<double>(), *m = min_p.const_data_ptr<double>();
     const double *u = uniforms.const_data_ptr<double>();
     int64_t *tok = tokens.mutable_data_ptr<int64_t>();
     float *lp = logprobs.mutable_data_ptr<float>();
     for (int64_t r = 0; r < rows; r++) {
         const float *row = x + r * vocab;
         const float top = row[argmax_first(row, vocab)];
-        const int64_t pick = std::isfinite(top)
-                                 ? draw_tempered(row, vocab, top, inv[r], u[r], weights.data(),
-                                                 sums.data())
-                                 : -1;
+        const double total = std::isfinite(top) ? tempered_weights(row, vocab, top, inv[r],
+                                                                   weights.data(), sums.data())
+                                                : -1.0;
+        int64_t pick = -1;
+        if (total > 0.0)
+            pick = k[r] > 0 || p[r] < 1.0 || m[r] > 0.0
+                       ? filtered(weights.data(), vocab, total, k[r], p[r], m[r], u[r])
+                       : draw_weights(weights.data(), vocab, sums.data(), total, u[r]);
         tok[r] = pick;
         lp[r] = pick < 0 ? std::numeric_limits<float>::lowest()
                          : row[pick] - (top + log_sum_exp_shifted(row, vocab, top));
@@ -436,7 +656,8 @@ TORCH_LIBRARY(tpserve, m) {
     m.def("greedy_logprob(Tensor logits) -> (Tensor, Tensor)");
     m.def("logsumexp(Tensor logits) -> Tensor");
     m.def("softmax(Tensor logits) -> Tensor");
-    m.def("sample_tempered(Tensor logits, Tensor inv_temps, Tensor uniforms) -> (Tensor, Tensor)");
+    m.def("sample_rows(Tensor logits, Tensor inv_temps, Tensor top_k, Tensor top_p, "
+          "Tensor min_p, Tensor uniforms) -> (Tensor, Tensor)");
     m.def("move_slots(Tensor(a!)[] pools, int[] src, int[] dst) -> ()");
 }
 
@@ -455,7 +676,7 @@ TORCH_LIBRARY_IMPL(tpserve, CPU, m) {
     m.impl("greedy_logprob", &greedy_logprob);
     m.impl("logsumexp", &logsumexp_rows);
     m.impl("softmax", &softmax_rows);
-    m.impl("sample_tempered", &sample_tempered);
+    m.impl("sample_rows", &sample_rows);
     m.impl("move_slots", &move_slots);
 }
 

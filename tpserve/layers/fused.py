@@ -74,18 +74,30 @@ def softmax_reference(logits: torch.Tensor) -> torch.Tensor:
     return torch.softmax(logits, dim=-1)
 
 
-def sample_tempered_reference(logits: torch.Tensor, inv_temps: torch.Tensor,
-                              uniforms: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(tokens, log-probabilities) of one draw per row from softmax(logits * inv_temps) with
+def sample_rows_reference(logits: torch.Tensor, inv_temps: torch.Tensor, top_k: torch.Tensor,
+                          top_p: torch.Tensor, min_p: torch.Tensor, uniforms: torch.Tensor
+                          ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(tokens, log-probabilities) of one draw per row from softmax(logits * inv_temps),
+    filtered by top_k / top_p / min_p as the sampler filters (``sampler._filter_sorted``), with
     ``uniforms`` (the first token whose cumulative probability exceeds u); token -1 where a
     row's maximum or its inverse temperature is not finite (the caller samples it otherwise)."""
     top = logits.max(dim=-1).values
     ok = torch.isfinite(top) & torch.isfinite(inv_temps) & (inv_temps > 0)
     scaled = (logits - top[:, None]) * inv_temps[:, None]
     probs = torch.softmax(scaled.masked_fill(~ok[:, None], 0.0), dim=-1).double()
+    vocab = probs.shape[-1]
+    ordered, order = probs.sort(dim=-1, descending=True, stable=True)
+    ranks = torch.arange(vocab)[None, :]
+    k = torch.where(top_k > 0, top_k.clamp(max=vocab), vocab)[:, None]
+    ordered = ordered.masked_fill(ranks >= k, 0.0)
+    ordered = ordered / ordered.sum(dim=-1, keepdim=True)
+    before = ordered.cumsum(dim=-1) - ordered
+    ordered = ordered.masked_fill((before >= top_p.double()[:, None]) & (ranks > 0), 0.0)
+    ordered = ordered.masked_fill(ordered < min_p.double()[:, None] * ordered[:, :1], 0.0)
+    probs = torch.zeros_like(probs).scatter_(1, order, ordered)
     cum = probs.cumsum(dim=-1)
     picks = torch.searchsorted(cum, (uniforms.double() * cum[:, -1])[:, None], right=True)
-    tokens = picks.squeeze(1).clamp(max=logits.shape[-1] - 1)
+    tokens = picks.squeeze(1).clamp(max=vocab - 1)
     chosen = logits.gather(1, tokens[:, None]).squeeze(1) - logits.logsumexp(dim=-1)
     lowest = torch.finfo(logits.dtype).min
     return (torch.where(ok, tokens, -1),
@@ -183,14 +195,17 @@ def softmax(logits: torch.Tensor) -> torch.Tensor:
     return softmax_reference(logits)
 
 
-def sample_tempered(logits: torch.Tensor, inv_temps: torch.Tensor, uniforms: torch.Tensor
-                    ) -> tuple[torch.Tensor, torch.Tensor]:
-    """One draw per row of fp32 logits [B, V] at temperature 1 / ``inv_temps`` [B] fp32 with
-    ``uniforms`` [B] float64, and its log-probability under the model's distribution (see
-    ``sample_tempered_reference``; token -1: a row to sample another way)."""
+def sample_rows(logits: torch.Tensor, inv_temps: torch.Tensor, top_k: torch.Tensor,
+                top_p: torch.Tensor, min_p: torch.Tensor, uniforms: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """One draw per row of fp32 logits [B, V] at temperature 1 / ``inv_temps`` [B] fp32,
+    filtered by ``top_k`` [B] int64 (0: none), ``top_p`` and ``min_p`` [B] float64 (1 and 0:
+    none), with ``uniforms`` [B] float64; and its log-probability under the model's
+    distribution (see ``sample_rows_reference``; token -1: a row to sample another way)."""
     if _native_defined(logits):
-        return torch.ops.tpserve.sample_tempered(logits.contiguous(), inv_temps, uniforms)
-    return sample_tempered_reference(logits, inv_temps, uniforms)
+        return torch.ops.tpserve.sample_rows(logits.contiguous(), inv_temps, top_k, top_p, min_p,
+                                             uniforms)
+    return sample_rows_reference(logits, inv_temps, top_k, top_p, min_p, uniforms)
 
 
 def move_slots_reference(pools: list[torch.Tensor], src: list[int], dst: list[int]) -> None:
@@ -216,15 +231,15 @@ def define_fallbacks(lib: torch.library.Library) -> None:
     lib.define("greedy_logprob(Tensor logits) -> (Tensor, Tensor)")
     lib.define("logsumexp(Tensor logits) -> Tensor")
     lib.define("softmax(Tensor logits) -> Tensor")
-    lib.define("sample_tempered(Tensor logits, Tensor inv_temps, Tensor uniforms) "
-               "-> (Tensor, Tensor)")
+    lib.define("sample_rows(Tensor logits, Tensor inv_temps, Tensor top_k, Tensor top_p, "
+               "Tensor min_p, Tensor uniforms) -> (Tensor, Tensor)")
     lib.define("move_slots(Tensor(a!)[] pools, int[] src, int[] dst) -> ()")
     for name, fn in (("rms_norm", rms_norm_reference), ("add_rms_norm", add_rms_norm_reference),
                      ("rotary_qk", rotary_qk_reference), ("silu_mul", silu_mul_reference),
                      ("rotary_rows", rotary_rows_reference),
                      ("greedy_logprob", greedy_logprob_reference),
                      ("logsumexp", logsumexp_reference), ("softmax", softmax_reference),
-                     ("sample_tempered", sample_tempered_reference),
+                     ("sample_rows", sample_rows_reference),
                      ("move_slots", move_slots_reference)):
         lib.impl(name, fn, "CompositeExplicitAutograd")
 
@@ -259,8 +274,9 @@ def register_fakes() -> None:
     def _(logits: torch.Tensor) -> torch.Tensor:
         return torch.empty_like(logits)
 
-    @torch.library.register_fake("tpserve::sample_tempered")
-    def _(logits: torch.Tensor, inv_temps: torch.Tensor, uniforms: torch.Tensor
+    @torch.library.register_fake("tpserve::sample_rows")
+    def _(logits: torch.Tensor, inv_temps: torch.Tensor, top_k: torch.Tensor,
+          top_p: torch.Tensor, min_p: torch.Tensor, uniforms: torch.Tensor
           ) -> tuple[torch.Tensor, torch.Tensor]:
         rows = logits.shape[0]
         return logits.new_empty(rows, dtype=torch.long), logits.new_empty(rows)

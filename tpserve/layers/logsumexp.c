@@ -81,23 +81,16 @@ void softmax_shifted(const float *row, int64_t n, float top, float *out) {
  * sums and at most one block of weights instead of every weight again. */
 #define DRAW_BLOCK 256
 
-/* One draw from softmax(row * inv_t) (temperature 1 / inv_t) with the uniform u in [0, 1):
- * the first token whose cumulative weight exceeds u times the total, weights
- * exp((row_i - top) * inv_t) with those at or below exp(EXP_FLOOR) exactly 0, as
- * softmax_shifted (a masked -inf token is never drawn). Block totals and the walk are in
- * double. `top` is the row's finite maximum; `w` is scratch for n floats and `sums` for
- * draw_blocks(n) doubles. Returns -1 when
- * the weights are not a distribution (a non-finite inv_t or weight): the caller samples
- * that row another way.
- *
- * Why: torch.multinomial draws one sample by drawing an exponential per token (its
- * Gumbel-style fast path), ~650 us a row at a 32000-token vocabulary on one thread, on
- * every sampled decode step; this is two vector passes and a short walk. */
 int64_t draw_blocks(int64_t n) { return (n + DRAW_BLOCK - 1) / DRAW_BLOCK; }
 
-int64_t draw_tempered(const float *row, int64_t n, float top, float inv_t, double u, float *w,
-                      double *sums) {
-    if (!isfinite(inv_t) || !(inv_t > 0.0f)) return -1;
+/* The weights of softmax(row * inv_t) (temperature 1 / inv_t) into w: exp((row_i - top) *
+ * inv_t), those at or below exp(EXP_FLOOR) exactly 0, as softmax_shifted (a masked -inf token
+ * is never drawn); the top token's is 1. Per-block totals into `sums` (draw_blocks(n)
+ * doubles), their float64 sum returned, or -1 when they are not a distribution (a non-finite
+ * inv_t or weight). `top` is the row's finite maximum. */
+double tempered_weights(const float *row, int64_t n, float top, float inv_t, float *w,
+                        double *sums) {
+    if (!isfinite(inv_t) || !(inv_t > 0.0f)) return -1.0;
     const int64_t blocks = draw_blocks(n);
     double total = 0.0;
     for (int64_t b = 0; b < blocks; b++) {
@@ -123,7 +116,18 @@ int64_t draw_tempered(const float *row, int64_t n, float top, float inv_t, doubl
         sums[b] = block;
         total += block;
     }
-    if (!isfinite(total) || !(total > 0.0)) return -1;
+    return isfinite(total) && total > 0.0 ? total : -1.0;
+}
+
+/* One draw with the uniform u in [0, 1) from tempered_weights' w, sums and total: the first
+ * token whose running weight (in float64) exceeds u times the total. The walk finds the
+ * block first, then the token inside it.
+ *
+ * Why not torch.multinomial: it draws one sample by drawing an exponential per token (its
+ * Gumbel-style fast path), ~650 us a row at a 32000-token vocabulary on one thread, on every
+ * sampled decode step; this is one vector pass (tempered_weights) and a short walk. */
+int64_t draw_weights(const float *w, int64_t n, const double *sums, double total, double u) {
+    const int64_t blocks = draw_blocks(n);
     const double target = u * total;
     double before = 0.0;
     int64_t b = 0;
