@@ -181,9 +181,17 @@ def test_every_draw_is_the_inverse_cdf_of_one_uniform() -> None:
     assert torch.equal(got.tokens, inverse_cdf(target_probs(logits, params), u))
     torch.testing.assert_close(
         got.logprobs, torch.log_softmax(logits, -1).gather(1, got.tokens[:, None]).squeeze(1))
-    filtered = [SamplingParams(temperature=p.temperature, top_p=0.999999) for p in params]
-    general = sample(logits, filtered, [make_generator(s, 0) for s in seeds])
-    assert torch.equal(general.tokens, inverse_cdf(target_probs(logits, filtered), u))
+    filtered = [SamplingParams(temperature=p.temperature, top_p=0.9, top_k=200, min_p=0.01)
+                for p in params]
+    drawn = sample(logits, filtered, [make_generator(s, 0) for s in seeds])
+    assert torch.equal(drawn.tokens, inverse_cdf(target_probs(logits, filtered), u))
+    # Greedy rows beside sampled ones: as in an all-greedy batch, and the same draws.
+    mixed = [filtered[0], SamplingParams(temperature=0.0), filtered[2], SamplingParams(top_k=1)]
+    both = sample(logits, mixed, [make_generator(s, 0) for s in seeds])
+    greedy = sample(logits, [SamplingParams(temperature=0.0)] * 4, [None] * 4)
+    assert torch.equal(both.tokens[[1, 3]], greedy.tokens[[1, 3]])
+    assert torch.equal(both.logprobs[[1, 3]], greedy.logprobs[[1, 3]])
+    assert torch.equal(both.tokens[[0, 2]], drawn.tokens[[0, 2]])
 
 
 def test_inverse_cdf_skips_tokens_without_mass() -> None:

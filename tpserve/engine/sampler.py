@@ -220,10 +220,10 @@ def _native_draw(
     generators: Sequence[torch.Generator | None],
     fallback: torch.Generator | None,
 ) -> SampleResult | None:
-    """Every row sampled (none greedy, no top log-probabilities asked): one call
-    (``fused.sample_rows``), each row's draw from its ``target_probs`` distribution by the
-    inverse CDF of one uniform, and its log-probability as ``sample``'s general path makes it.
-    None where a row needs that path (its maximum not finite: extreme penalties)."""
+    """Sampled rows (no top log-probabilities asked) in one call (``fused.sample_rows``):
+    each row's draw from its ``target_probs`` distribution by the inverse CDF of one uniform,
+    and its log-probability as ``sample``'s general path makes it. None where a row needs
+    that path (its maximum not finite: extreme penalties)."""
     def column(values: list, dtype: torch.dtype) -> Tensor:
         return torch.tensor(values, dtype=dtype).to(logits.device)
 
@@ -248,21 +248,31 @@ def sample(
     """Choose one token per row of (already penalised) logits.
 
     Greedy rows take argmax (ties resolve to the lowest index). Other rows draw from
-    `target_probs` with their own generator, or `fallback_generator` when theirs is None.
+    `target_probs` with their own generator, or `fallback_generator` when theirs is None, by
+    the inverse CDF of one uniform each (on CPU in one native call unless top log-probabilities
+    are asked).
     """
     if len(params) != logits.shape[0] or len(generators) != logits.shape[0]:
         raise ValueError("logits, params and generators must have the same batch size")
     logits = logits.float()
     want_top = any(p.logprobs > 0 for p in params)
-    if not want_top and all(p.greedy for p in params):  # plain decode: one op on CPU
-        tokens, chosen = fused.greedy_logprob(logits)
-        return SampleResult(tokens, chosen, None)
-    if not want_top and not any(p.greedy for p in params):
-        result = _native_draw(logits, params, generators, fallback_generator)
-        if result is not None:
-            return result
-    tokens = logits.argmax(dim=-1)
     sampled_rows = [i for i, p in enumerate(params) if not p.greedy]
+    if not want_top:
+        if not sampled_rows:  # plain decode: one op on CPU
+            tokens, chosen = fused.greedy_logprob(logits)
+            return SampleResult(tokens, chosen, None)
+        every = len(sampled_rows) == len(params)
+        idx = torch.tensor(sampled_rows, device=logits.device)
+        result = _native_draw(logits if every else logits[idx],
+                              [params[i] for i in sampled_rows],
+                              [generators[i] for i in sampled_rows], fallback_generator)
+        if result is not None and every:
+            return result
+        if result is not None:  # greedy rows as in an all-greedy batch
+            tokens, chosen = fused.greedy_logprob(logits)
+            tokens[idx], chosen[idx] = result.tokens, result.logprobs
+            return SampleResult(tokens, chosen, None)
+    tokens = logits.argmax(dim=-1)
     if sampled_rows:
         idx = torch.tensor(sampled_rows, device=logits.device)
         probs = target_probs(logits[idx], [params[i] for i in sampled_rows])
