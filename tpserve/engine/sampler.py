@@ -173,8 +173,8 @@ def inverse_cdf(probs: Tensor, uniforms: Tensor) -> Tensor:
     return picks.clamp_(max=probs.shape[-1] - 1)
 
 
-def draw_uniforms(generators: Sequence[torch.Generator | None], fallback: torch.Generator | None,
-             device: torch.device) -> Tensor:
+def draw_uniforms(generators: Sequence[torch.Generator | None],
+                  fallback: torch.Generator | None, device: torch.device) -> Tensor:
     """One float64 uniform per row: seeded rows from their own generator (so their stream
     does not depend on batch composition), unseeded rows from one batched draw of
     ``fallback``."""

@@ -333,10 +333,12 @@ std::tuple<at::Tensor, at::Tensor> greedy_logprob(const at::Tensor &logits) {
 // top-p the shortest best-first prefix whose mass, among the top-k survivors, reaches p;
 // min-p those at least p times the best), without sorting the vocabulary. Top-k and top-p
 // both keep a best-first prefix, so what survives is every token better than the prefix's
-// last one, less those under min-p. A histogram over weight buckets (an eighth of an octave
-// each, best first) says in which bucket the prefix ends; only that bucket's tokens are
-// ranked. Then one draw with u over the survivors in token order, as sampler.inverse_cdf
-// walks target_probs. `w`: tempered_weights (the best is 1), `total` their sum.
+// last one, less those under min-p. With top-k the k best come from one pass against a heap
+// of them (top-p then cuts that list); with top-p alone a histogram over weight buckets (an
+// eighth of an octave each, best first) says in which bucket the prefix ends, and only that
+// bucket's tokens are ranked. Then one draw with u over the survivors in token order, as
+// sampler.inverse_cdf walks target_probs. `w`: tempered_weights (the best is 1), `total`
+// their sum.
 //
 // Why: the general path sorts the whole row (torch.sort and ~15 more ops): 3 ms a row at a
 // 32000-token vocabulary and 15 ms at 128256 on one thread, for every request that sends a
@@ -526,7 +528,6 @@ class FilteredDraw {
             if (w[i] >= low && w[i] < high) ranked_.push_back({w[i], i});
         std::sort(ranked_.begin(), ranked_.end(), better);
     }
-
 
     int64_t count_[kBuckets];
     double mass_[kBuckets];
