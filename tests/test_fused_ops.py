@@ -218,11 +218,8 @@ def test_greedy_logprob_extremes_are_finite() -> None:
                           equal_nan=True)
 
 
-@pytest.mark.parametrize("isa", ["avx2", "avx512"])
-def test_logsumexp_kernel_on_both_isa_paths(isa: str) -> None:
-    """logsumexp.c built alone for each vector path against float64 (its log-sum-exp and
-    softmax), at every row length (two-vector blocks, single vectors, the scalar tail) and on
-    rows spread past exp's range."""
+def logsumexp_library(isa: str) -> ctypes.CDLL:
+    """logsumexp.c built alone for one vector path (skips where the CPU lacks it)."""
     if isa == "avx512" and "avx512f" not in Path("/proc/cpuinfo").read_text():
         pytest.skip("this CPU has no AVX-512 (its AVX2 path is tested)")
     here = Path(fused.__file__).parent
@@ -230,6 +227,15 @@ def test_logsumexp_kernel_on_both_isa_paths(isa: str) -> None:
     lib, lanes = load_library(here / "logsumexp.c", "logsumexp_lanes",
                               (here / "attention" / "attn_simd.h", here / "half.h"), flags)
     assert lanes == (8 if isa == "avx2" else 16)
+    return lib
+
+
+@pytest.mark.parametrize("isa", ["avx2", "avx512"])
+def test_logsumexp_kernel_on_both_isa_paths(isa: str) -> None:
+    """logsumexp.c built alone for each vector path against float64 (its log-sum-exp and
+    softmax), at every row length (two-vector blocks, single vectors, the scalar tail) and on
+    rows spread past exp's range."""
+    lib = logsumexp_library(isa)
     fn = lib.log_sum_exp_shifted
     fn.restype = ctypes.c_float
     fn.argtypes = (ctypes.c_void_p, ctypes.c_int64, ctypes.c_float)
@@ -275,12 +281,7 @@ def test_draw_kernel_on_both_isa_paths(isa: str) -> None:
     """logsumexp.c's draw built alone for each vector path: at row lengths around its vector
     blocks and its 256-token draw blocks, at three temperatures, on a grid of uniforms, the
     float64 inverse CDF's token (bar uniforms on a boundary), never a masked one."""
-    if isa == "avx512" and "avx512f" not in Path("/proc/cpuinfo").read_text():
-        pytest.skip("this CPU has no AVX-512 (its AVX2 path is tested)")
-    here = Path(fused.__file__).parent
-    flags = ("-mno-avx512f",) if isa == "avx2" else ()
-    lib, _ = load_library(here / "logsumexp.c", "logsumexp_lanes",
-                          (here / "attention" / "attn_simd.h", here / "half.h"), flags)
+    lib = logsumexp_library(isa)
     weigh = lib.tempered_weights
     weigh.restype = ctypes.c_double
     weigh.argtypes = (ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_float,
