@@ -351,6 +351,7 @@ class FilteredDraw {
         // index), or, where it ends at a bucket boundary, every token in a bucket before `cut`.
         int cut = kBuckets;
         int64_t take = 0;
+        double prefix = total;  // the prefix's weight, where it is all that min-p leaves
         if (top_k > 0 && top_k < n) {
             best_k(w, n, top_k);  // ranked_: the k best, best first
             if (ranked_.empty()) return -1;
@@ -380,8 +381,10 @@ class FilteredDraw {
                 rank_bucket(w, n, b);
                 cut = b;
                 take = prefix_until(limit, before, kept, count_[b]);
+                for (int64_t j = 0; j < take; j++) before += ranked_[j].first;
                 break;
             }
+            prefix = before;
         }
         // What survives, as weight comparisons: better than the prefix's last token (a tie
         // to it by index), or in a bucket before `cut`; and at least min_p (the best is 1).
@@ -398,9 +401,12 @@ class FilteredDraw {
             return x > 0.0f && x >= low &&
                    (!partial || x > last.first || i <= last.second);
         };
-        double kept = 0.0;
-        for (int64_t i = 0; i < n; i++)
-            if (keeps(i)) kept += w[i];
+        double kept = prefix;
+        if (low > edge) {  // min-p drops some of the prefix: weigh what is left
+            kept = 0.0;
+            for (int64_t i = 0; i < n; i++)
+                if (keeps(i)) kept += w[i];
+        }
         if (!(kept > 0.0)) return -1;
         const double target = u * kept;
         double before = 0.0;
