@@ -220,7 +220,7 @@ def _native_draw(
     generators: Sequence[torch.Generator | None],
     fallback: torch.Generator | None,
 ) -> SampleResult | None:
-    """Sampled rows (no top log-probabilities asked) in one call (``fused.sample_rows``):
+    """Sampled rows in one call (``fused.sample_rows``):
     each row's draw from its ``target_probs`` distribution by the inverse CDF of one uniform,
     and its log-probability as ``sample``'s general path makes it. None where a row needs
     that path (its maximum not finite: extreme penalties)."""
@@ -249,39 +249,48 @@ def sample(
 
     Greedy rows take argmax (ties resolve to the lowest index). Other rows draw from
     `target_probs` with their own generator, or `fallback_generator` when theirs is None, by
-    the inverse CDF of one uniform each (on CPU in one native call unless top log-probabilities
-    are asked).
+    the inverse CDF of one uniform each (on CPU in one native call).
     """
     if len(params) != logits.shape[0] or len(generators) != logits.shape[0]:
         raise ValueError("logits, params and generators must have the same batch size")
     logits = logits.float()
-    want_top = any(p.logprobs > 0 for p in params)
     sampled_rows = [i for i, p in enumerate(params) if not p.greedy]
-    if not want_top:
-        if not sampled_rows:  # plain decode: one op on CPU
-            tokens, chosen = fused.greedy_logprob(logits)
-            return SampleResult(tokens, chosen, None)
-        every = len(sampled_rows) == len(params)
-        idx = torch.tensor(sampled_rows, device=logits.device)
-        result = _native_draw(logits if every else logits[idx],
-                              [params[i] for i in sampled_rows],
-                              [generators[i] for i in sampled_rows], fallback_generator)
-        if result is not None and every:
-            return result
-        if result is not None:  # greedy rows as in an all-greedy batch
-            tokens, chosen = fused.greedy_logprob(logits)
-            tokens[idx], chosen[idx] = result.tokens, result.logprobs
-            return SampleResult(tokens, chosen, None)
-    tokens = logits.argmax(dim=-1)
-    if sampled_rows:
-        idx = torch.tensor(sampled_rows, device=logits.device)
-        probs = target_probs(logits[idx], [params[i] for i in sampled_rows])
-        drawn = _draw(probs, [generators[i] for i in sampled_rows], fallback_generator)
-        tokens[idx] = drawn
-    if want_top:
+    tokens, chosen = _pick(logits, params, sampled_rows, generators, fallback_generator)
+    if any(p.logprobs > 0 for p in params):
         logprobs_all = fused.finite_logprobs(torch.log_softmax(logits, dim=-1))
         chosen = logprobs_all.gather(1, tokens.unsqueeze(1)).squeeze(1)
         return SampleResult(tokens, chosen, _top_logprobs(logprobs_all, params))
-    # Without top-logprobs, logit - logsumexp avoids materialising a second [B, V] tensor.
-    chosen = logits.gather(1, tokens.unsqueeze(1)).squeeze(1) - fused.logsumexp(logits)
-    return SampleResult(tokens, fused.finite_logprobs(chosen), None)
+    if chosen is None:
+        # logit - logsumexp avoids materialising a second [B, V] tensor.
+        chosen = fused.finite_logprobs(
+            logits.gather(1, tokens.unsqueeze(1)).squeeze(1) - fused.logsumexp(logits))
+    return SampleResult(tokens, chosen, None)
+
+
+def _pick(
+    logits: Tensor,
+    params: Sequence[SamplingParams],
+    sampled_rows: list[int],
+    generators: Sequence[torch.Generator | None],
+    fallback: torch.Generator | None,
+) -> tuple[Tensor, Tensor | None]:
+    """Every row's token, and its log-probability where the way it was picked gives it:
+    greedy rows by ``fused.greedy_logprob`` (the bits an all-greedy batch gives them), the
+    others in one native call (``_native_draw``), or, where a row needs it, all through
+    ``target_probs``."""
+    if not sampled_rows:  # plain decode: one op on CPU
+        return fused.greedy_logprob(logits)
+    every = len(sampled_rows) == len(params)
+    idx = torch.tensor(sampled_rows, device=logits.device)
+    result = _native_draw(logits if every else logits[idx], [params[i] for i in sampled_rows],
+                          [generators[i] for i in sampled_rows], fallback)
+    if result is not None and every:
+        return result.tokens, result.logprobs
+    if result is not None:
+        tokens, chosen = fused.greedy_logprob(logits)
+        tokens[idx], chosen[idx] = result.tokens, result.logprobs
+        return tokens, chosen
+    tokens = logits.argmax(dim=-1)
+    probs = target_probs(logits[idx], [params[i] for i in sampled_rows])
+    tokens[idx] = _draw(probs, [generators[i] for i in sampled_rows], fallback)
+    return tokens, None
