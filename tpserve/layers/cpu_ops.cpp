@@ -367,20 +367,21 @@ class FilteredDraw {
             // First token j > 0 whose mass before it reaches top_p: it and all after go.
             const double limit = top_p * total;
             double before = 0.0;
-            int64_t kept = 0;
+            bool kept = false;  // any token before bucket b
             for (int b = 0; b < kBuckets; b++) {
-                if (before + mass_[b] < limit || count_[b] == 0) {
+                if (before + mass_[b] < limit || !(mass_[b] > 0.0)) {
                     before += mass_[b];
-                    kept += count_[b];
+                    kept = kept || mass_[b] > 0.0;
                     continue;
                 }
-                if (kept > 0 && before >= limit) {  // ends before this bucket
+                if (kept && before >= limit) {  // ends before this bucket
                     cut = b;
                     break;
                 }
                 rank_bucket(w, n, b);
                 cut = b;
-                take = prefix_until(limit, before, kept, count_[b]);
+                take = prefix_until(limit, before, kept ? 1 : 0,
+                                    static_cast<int64_t>(ranked_.size()));
                 for (int64_t j = 0; j < take; j++) before += ranked_[j].first;
                 break;
             }
@@ -408,16 +409,18 @@ class FilteredDraw {
                 if (keeps(i)) kept += w[i];
         }
         if (!(kept > 0.0)) return -1;
+        // The walk adds 0 for a dropped token rather than branching on it (which tokens
+        // survive is unpredictable), so the running total passes the target only on a kept one.
         const double target = u * kept;
         double before = 0.0;
-        int64_t pick = -1;
-        for (int64_t i = 0; i < n; i++)
-            if (keeps(i)) {
-                before += w[i];
-                pick = i;
-                if (before > target) break;
-            }
-        return pick;
+        int64_t last_kept = -1;
+        for (int64_t i = 0; i < n; i++) {
+            const bool k = keeps(i);
+            before += k ? w[i] : 0.0f;
+            last_kept = k ? i : last_kept;
+            if (before > target) return i;
+        }
+        return last_kept;
     }
 
   private:
@@ -482,30 +485,19 @@ class FilteredDraw {
         return j;
     }
 
-    // Token counts and weight per bucket, in two interleaved halves summed at the end:
-    // neighbouring tokens often share a bucket, and one table made every update wait for the
-    // last one's store.
+    // Weight per bucket, in two interleaved halves summed at the end: neighbouring tokens
+    // often share a bucket, and one table made every update wait for the last one's store.
+    // No branch on zero weights (masked tokens, unpredictable): they land in the last bucket,
+    // adding nothing. A bucket holds tokens exactly where its weight is above 0.
     void histogram(const float *w, int64_t n) {
-        int64_t count[2][kBuckets] = {};
         double mass[2][kBuckets] = {};
         int64_t i = 0;
-        for (; i + 1 < n; i += 2)
-            for (int h = 0; h < 2; h++) {
-                const float x = w[i + h];
-                if (x > 0.0f) {
-                    const int b = bucket(x);
-                    count[h][b]++;
-                    mass[h][b] += x;
-                }
-            }
-        if (i < n && w[i] > 0.0f) {
-            count[0][bucket(w[i])]++;
+        for (; i + 1 < n; i += 2) {
             mass[0][bucket(w[i])] += w[i];
+            mass[1][bucket(w[i + 1])] += w[i + 1];
         }
-        for (int b = 0; b < kBuckets; b++) {
-            count_[b] = count[0][b] + count[1][b];
-            mass_[b] = mass[0][b] + mass[1][b];
-        }
+        if (i < n) mass[0][bucket(w[i])] += w[i];
+        for (int b = 0; b < kBuckets; b++) mass_[b] = mass[0][b] + mass[1][b];
     }
 
     // The smallest weight in bucket b (its octave's exponent, its three mantissa bits).
@@ -535,7 +527,6 @@ class FilteredDraw {
         std::sort(ranked_.begin(), ranked_.end(), better);
     }
 
-    int64_t count_[kBuckets];
     double mass_[kBuckets];
     std::vector<std::pair<float, int64_t>> ranked_;
 };
