@@ -87,7 +87,7 @@ def sample_rows_reference(logits: torch.Tensor, inv_temps: torch.Tensor, top_k: 
     probs = torch.softmax(scaled.masked_fill(~ok[:, None], 0.0), dim=-1).double()
     vocab = probs.shape[-1]
     ordered, order = probs.sort(dim=-1, descending=True, stable=True)
-    ranks = torch.arange(vocab)[None, :]
+    ranks = torch.arange(vocab, device=probs.device)[None, :]
     k = torch.where(top_k > 0, top_k.clamp(max=vocab), vocab)[:, None]
     ordered = ordered.masked_fill(ranks >= k, 0.0)
     ordered = ordered / ordered.sum(dim=-1, keepdim=True)
