@@ -110,26 +110,17 @@ def _column(values: list[float], like: Tensor) -> Tensor:
 
 
 def _filter_sorted(sorted_probs: Tensor, params: Sequence[SamplingParams]) -> Tensor:
-    """Apply top-k, top-p, min-p to descending-sorted probabilities; returns unnormalised mass."""
+    """``fused.filter_sorted`` with the columns of the filters some row of ``params`` uses."""
+    def column(used: bool, values: list[float]) -> Tensor | None:
+        return _column(values, sorted_probs) if used else None
+
     vocab = sorted_probs.shape[-1]
-    ranks = torch.arange(vocab, device=sorted_probs.device).unsqueeze(0)
-    probs = sorted_probs
-    if any(p.top_k > 0 for p in params):
-        # Clamped here too: a top_k past the vocabulary (or past float32's range) means "all".
-        top_k = _column([min(p.top_k, vocab) if p.top_k > 0 else vocab for p in params], probs)
-        probs = probs.masked_fill(ranks >= top_k, 0.0)
-        probs = probs / probs.sum(dim=-1, keepdim=True)
-    if any(p.top_p < 1.0 for p in params):
-        # top_p == 1 rows get +inf so float32 cumsum rounding can never drop their tail.
-        top_p = _column([p.top_p if p.top_p < 1.0 else float("inf") for p in params], probs)
-        mass_before = probs.cumsum(dim=-1) - probs
-        # Keep the smallest prefix whose mass reaches top_p; rank 0 always has mass_before 0.
-        probs = probs.masked_fill((mass_before >= top_p) & (ranks > 0), 0.0)
-        probs = probs / probs.sum(dim=-1, keepdim=True)
-    if any(p.min_p > 0.0 for p in params):
-        threshold = _column([p.min_p for p in params], probs) * probs[:, :1]
-        probs = probs.masked_fill(probs < threshold, 0.0)
-    return probs
+    return fused.filter_sorted(
+        sorted_probs,
+        # Clamped first: a top_k past float32's range would not convert.
+        column(any(p.top_k > 0 for p in params), [min(p.top_k, vocab) for p in params]),
+        column(any(p.top_p < 1.0 for p in params), [p.top_p for p in params]),
+        column(any(p.min_p > 0.0 for p in params), [p.min_p for p in params]))
 
 
 def _needs_filtering(params: Sequence[SamplingParams]) -> bool:
@@ -195,7 +186,7 @@ def draw_uniforms(generators: Sequence[torch.Generator | None],
     return out.to(device)
 
 
-def _draw(
+def draw(
     probs: Tensor, generators: Sequence[torch.Generator | None], fallback: torch.Generator | None
 ) -> Tensor:
     """One draw per row of ``probs`` (``inverse_cdf``) with one uniform each (``draw_uniforms``)."""
@@ -292,5 +283,5 @@ def _pick(
         return tokens, chosen
     tokens = logits.argmax(dim=-1)
     probs = target_probs(logits[idx], [params[i] for i in sampled_rows])
-    tokens[idx] = _draw(probs, [generators[i] for i in sampled_rows], fallback)
+    tokens[idx] = draw(probs, [generators[i] for i in sampled_rows], fallback)
     return tokens, None

@@ -74,30 +74,51 @@ def softmax_reference(logits: torch.Tensor) -> torch.Tensor:
     return torch.softmax(logits, dim=-1)
 
 
+def filter_sorted(sorted_probs: torch.Tensor, top_k: torch.Tensor | None,
+                  top_p: torch.Tensor | None, min_p: torch.Tensor | None) -> torch.Tensor:
+    """Top-k, top-p and min-p, in that order (SGLang's), on descending-sorted probabilities
+    [B, V]; returns the unnormalised mass kept. Each filter is a [B, 1] column (None: no row
+    uses it): top_k (0: none; past the vocabulary: all), top_p (1: none), min_p. Each filter
+    renormalises before the next looks (as HF and vLLM do), so top-p's mass is measured
+    among the top-k survivors. The sampler's ``target_probs`` and ``sample_rows``' reference
+    both filter here."""
+    vocab = sorted_probs.shape[-1]
+    ranks = torch.arange(vocab, device=sorted_probs.device).unsqueeze(0)
+    probs = sorted_probs
+    if top_k is not None:
+        probs = probs.masked_fill(ranks >= torch.where(top_k > 0, top_k.clamp(max=vocab), vocab),
+                                  0.0)
+        probs = probs / probs.sum(dim=-1, keepdim=True)
+    if top_p is not None:
+        # top_p == 1 rows get +inf so cumsum rounding can never drop their tail.
+        limit = torch.where(top_p < 1.0, top_p, float("inf"))
+        mass_before = probs.cumsum(dim=-1) - probs
+        # Keep the smallest prefix whose mass reaches top_p; rank 0 always has mass_before 0.
+        probs = probs.masked_fill((mass_before >= limit) & (ranks > 0), 0.0)
+        probs = probs / probs.sum(dim=-1, keepdim=True)
+    if min_p is not None:
+        probs = probs.masked_fill(probs < min_p * probs[:, :1], 0.0)
+    return probs
+
+
 def sample_rows_reference(logits: torch.Tensor, inv_temps: torch.Tensor, top_k: torch.Tensor,
                           top_p: torch.Tensor, min_p: torch.Tensor, uniforms: torch.Tensor
                           ) -> tuple[torch.Tensor, torch.Tensor]:
     """(tokens, log-probabilities) of one draw per row from softmax(logits * inv_temps),
-    filtered by top_k / top_p / min_p as the sampler filters (``sampler._filter_sorted``), with
-    ``uniforms`` (the first token whose cumulative probability exceeds u); token -1 where a
-    row's maximum or its inverse temperature is not finite (the caller samples it otherwise)."""
+    filtered by top_k / top_p / min_p (``filter_sorted``, in float64), with ``uniforms`` (the
+    first token whose cumulative probability exceeds u); token -1 where a row's maximum or its
+    inverse temperature is not finite (the caller samples it otherwise)."""
     top = logits.max(dim=-1).values
     ok = torch.isfinite(top) & torch.isfinite(inv_temps) & (inv_temps > 0)
     scaled = (logits - top[:, None]) * inv_temps[:, None]
     probs = torch.softmax(scaled.masked_fill(~ok[:, None], 0.0), dim=-1).double()
-    vocab = probs.shape[-1]
     ordered, order = probs.sort(dim=-1, descending=True, stable=True)
-    ranks = torch.arange(vocab, device=probs.device)[None, :]
-    k = torch.where(top_k > 0, top_k.clamp(max=vocab), vocab)[:, None]
-    ordered = ordered.masked_fill(ranks >= k, 0.0)
-    ordered = ordered / ordered.sum(dim=-1, keepdim=True)
-    before = ordered.cumsum(dim=-1) - ordered
-    ordered = ordered.masked_fill((before >= top_p.double()[:, None]) & (ranks > 0), 0.0)
-    ordered = ordered.masked_fill(ordered < min_p.double()[:, None] * ordered[:, :1], 0.0)
-    probs = torch.zeros_like(probs).scatter_(1, order, ordered)
+    kept = filter_sorted(ordered, top_k[:, None], top_p.double()[:, None],
+                         min_p.double()[:, None])
+    probs = torch.zeros_like(probs).scatter_(1, order, kept)
     cum = probs.cumsum(dim=-1)
     picks = torch.searchsorted(cum, (uniforms.double() * cum[:, -1])[:, None], right=True)
-    tokens = picks.squeeze(1).clamp(max=vocab - 1)
+    tokens = picks.squeeze(1).clamp(max=probs.shape[-1] - 1)
     chosen = logits.gather(1, tokens[:, None]).squeeze(1) - logits.logsumexp(dim=-1)
     lowest = torch.finfo(logits.dtype).min
     return (torch.where(ok, tokens, -1),

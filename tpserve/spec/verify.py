@@ -23,8 +23,7 @@ from tpserve.engine.request import Request
 from tpserve.engine.sampler import (
     apply_min_tokens,
     apply_penalties,
-    draw_uniforms,
-    inverse_cdf,
+    draw,
     target_probs,
 )
 from tpserve.layers.fused import greedy_logprob
@@ -234,8 +233,7 @@ def _draw_bonus(probs: torch.Tensor, walks: list[Walk], generators: list[torch.G
     if hit:
         residual[torch.tensor(hit, device=probs.device).T.unbind()] = 0.0
     residual = torch.where(residual.sum(dim=1, keepdim=True) > 0, residual, rows)
-    # as plain sampling draws: one uniform from each request's generator, inverse CDF
-    return inverse_cdf(residual, draw_uniforms(generators, None, residual.device)).tolist()
+    return draw(residual, generators, None).tolist()  # as plain sampling draws
 
 
 def _on(t: torch.Tensor, device: torch.device) -> torch.Tensor:
