@@ -267,17 +267,17 @@ def test_the_pool_survives_fork() -> None:
 
 
 def test_linear_routes_cpu_rows_through_the_op() -> None:
-    from tpserve.layers.linear import NATIVE_MATMUL_ROWS, linear
+    """At any row count (one kernel, so a row's bits do not depend on its batch)."""
+    from tpserve.layers.linear import linear
 
     gen = torch.Generator().manual_seed(17)
-    w = torch.randn(70, 200, generator=gen).bfloat16()
+    w = torch.randn(70, 224, generator=gen).bfloat16()
     bias = torch.randn(70, generator=gen).bfloat16()
-    rows = min(NATIVE_MATMUL_ROWS, 64)  # AVX2 CPUs: the kernel at any M
-    for m in (1, rows, rows + 1):
-        x = torch.randn(m, 200, generator=gen).bfloat16()
-        expect = (torch.ops.tpserve.matmul(x, w) + bias if m <= NATIVE_MATMUL_ROWS
-                  else torch.nn.functional.linear(x, w, bias))
-        assert torch.equal(linear(x, w, bias), expect)
+    x = torch.randn(300, 224, generator=gen).bfloat16()
+    full = linear(x, w, bias)
+    assert torch.equal(full, torch.ops.tpserve.matmul(x, w) + bias)
+    for m in (1, 8, 9, 17, 64):
+        assert torch.equal(linear(x[-m:], w, bias), full[-m:])
 
 
 def _ctypes_gemm(lib: ctypes.CDLL, dtype: torch.dtype):  # type: ignore[no-untyped-def]
@@ -292,7 +292,7 @@ def _gemm_build(*flags: str) -> tuple[ctypes.CDLL, int]:
     """gemm.c alone through ctypes, with ``flags`` after the usual ones; (library, lanes)."""
     source = Path(cpu_ops.__file__).with_name("gemm.c")
     depends = [source.with_name(n)
-               for n in ("gemm_tiles.c", "gemm_pool.c", "pool_readahead.c", "half.h")]
+               for n in ("gemm_tiles.c", "gemm_amx.c", "gemm_pool.c", "pool_readahead.c", "half.h")]
     return load_library(source, "gemm_lanes", depends, extra_flags=flags)
 
 
@@ -408,7 +408,7 @@ def test_bf16_dot_tiles_within_bound_and_the_same_bits_whatever_the_tile() -> No
     the float64 bound; the dot-product builds, whichever tiles the first x block may use
     (COLD_PAIRS, PAIR_XS, XPAIR), give the same bits at any thread count, and a row alone
     equals the row in the batch."""
-    dot = {name: _gemm_build(*flags)[0] for name, flags in (
+    dot = {name: _gemm_build("-DAMX_TILES=0", *flags)[0] for name, flags in (
         ("default", ()), ("cold pairs", ("-DCOLD_PAIRS=1",)), ("no pairs", ("-DPAIR_XS=1",)),
         ("2 x 4 tiles", ("-DXPAIR=4",)))}
     fma = _gemm_build("-DDPBF16=0")[0]
@@ -425,19 +425,33 @@ def test_bf16_dot_tiles_within_bound_and_the_same_bits_whatever_the_tile() -> No
             assert ((y.double() - x.double() @ w.double().T).abs() <= _bound(x, w)).all()
 
 
-@pytest.mark.parametrize("amx,bf16,isa,rows", [
-    (True, True, None, 8), (False, True, None, sys.maxsize), (False, False, None, sys.maxsize),
-    (True, True, "AVX512_CORE_BF16", sys.maxsize), (True, True, "AVX2", sys.maxsize),
-    (True, True, "AVX512_CORE_AMX", 8),
-])
-def test_native_rows_follow_the_matmul_isa(monkeypatch: pytest.MonkeyPatch, amx: bool,
-                                           bf16: bool, isa: str | None, rows: int) -> None:
-    from tpserve.layers import linear as linear_mod
+def _amx_build(*flags: str) -> ctypes.CDLL:
+    lib = _gemm_build(*flags)[0]
+    if not lib.gemm_amx():
+        pytest.skip("no AMX tiles here (CPU, compiler or kernel)")
+    return lib
 
-    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx)
-    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: bf16)
-    if isa is None:
-        monkeypatch.delenv("ONEDNN_MAX_CPU_ISA", raising=False)
-    else:
-        monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", isa)
-    assert linear_mod.native_matmul_rows() == rows
+
+def test_amx_tiles_within_bound_and_each_row_the_same_at_any_batch() -> None:
+    """gemm_amx.c: every output within the float64 bound; a row's bits the same whatever x rows
+    share its call (1 to 40, one x block or several, the 2 x 2 squares and the streaming
+    loop), at any thread count, and in the builds that block the weight rows differently;
+    rows past the last whole 16-row block and k not a multiple of 32 take the AVX512-BF16
+    tiles at every row count."""
+    libs = [_amx_build(), _amx_build("-DAMX_SQUARE=0"), _amx_build("-DAMX_STREAM=2", "-DAMX_GROUP=2"),
+            _amx_build("-DAMX_AHEAD=0")]
+    plain = _gemm_build("-DAMX_TILES=0")[0]
+    gen = torch.Generator().manual_seed(31)
+    for rows, cols in [(16, 32), (40, 96), (301, 512), (64, 1408), (130, 100)]:
+        w = torch.randn(rows, cols, generator=gen).bfloat16()
+        x = torch.randn(70, cols, generator=gen).bfloat16()
+        full = _ctypes_matmul(libs[0], x, w, 2)
+        assert ((full.double() - x.double() @ w.double().T).abs() <= _bound(x, w)).all()
+        for lib in libs:
+            for threads in (1, 3):
+                assert torch.equal(_ctypes_matmul(lib, x, w, threads), full), (rows, cols)
+        for m in (1, 2, 15, 16, 17, 33, 40):
+            assert torch.equal(_ctypes_matmul(libs[0], x[-m:].contiguous(), w, 2), full[-m:])
+        tail = rows % 16 if cols % 32 == 0 else rows  # what the AVX512-BF16 tiles compute
+        if tail:
+            assert torch.equal(full[:, rows - tail:], _ctypes_matmul(plain, x, w, 2)[:, rows - tail:])

@@ -17,6 +17,19 @@
 #include "gemm_tiles.c"
 #include "gemm_pool.c"
 
+/* AMX tiles for bf16 where the compiler targets them (-march=native on a CPU that has them):
+ * gemm_amx.c. -DAMX_TILES=0 builds without them (the tests compare both). */
+#ifndef AMX_TILES
+#if DPBF16 && defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__linux__)
+#define AMX_TILES 1
+#else
+#define AMX_TILES 0
+#endif
+#endif
+#if AMX_TILES
+#include "gemm_amx.c"
+#endif
+
 /* Bytes of weights per chunk, and at least CHUNKS_PER_THREAD chunks a thread, so a thread that
  * starts late (or shares its core) leaves the rest to the others.
  *
@@ -70,8 +83,9 @@ typedef struct {
     int64_t m, rows, k;
     uint16_t *y;
     int64_t ldy;
-    int64_t chunk; /* weight rows per chunk (a multiple of ROWS) */
+    int64_t chunk; /* weight rows per chunk (a multiple of ROWS; of AMX_GROUP x 16 with pack) */
     int bf16;
+    const uint16_t *pack; /* x in AMX B tiles (gemm_amx.c), or NULL: gemm_tiles.c's tiles */
 } gemm_job;
 
 /* Several x rows: outputs are summed into an fp32 block of up to SUB_ROWS weight rows per x
@@ -142,19 +156,28 @@ static void gemm_chunk(void *ctx, int64_t c) {
     const gemm_job *job = (const gemm_job *)ctx;
     const int64_t r0 = c * job->chunk;
     const int64_t r1 = r0 + job->chunk < job->rows ? r0 + job->chunk : job->rows;
+#if AMX_TILES
+    if (job->pack) { /* whole 16-row blocks by AMX, the rows past the last one by the tiles */
+        const int64_t whole = job->rows / AMX_ROWS * AMX_ROWS;
+        const int64_t mid = r1 < whole ? r1 : whole;
+        if (mid > r0) amx_rows(job->w, job->ldw, job->pack, job->m, job->k, job->y, job->ldy, r0, mid);
+        if (r1 > mid) chunk_bf16(job, mid > r0 ? mid : r0, r1);
+        return;
+    }
+#endif
     if (job->bf16) chunk_bf16(job, r0, r1);
     else chunk_f16(job, r0, r1);
 }
 
-static int64_t chunk_rows(int64_t rows, int64_t k, int threads) {
+static int64_t chunk_rows(int64_t rows, int64_t k, int threads, int64_t multiple) {
     int64_t by_cache = CHUNK_BYTES / (2 * (k > 0 ? k : 1));
     int64_t by_balance = (rows + (int64_t)threads * CHUNKS_PER_THREAD - 1) /
                          ((int64_t)threads * CHUNKS_PER_THREAD);
     int64_t chunk = by_cache < by_balance ? by_cache : by_balance;
     if (chunk < (rows + POOL_MAX_CHUNKS - 1) / POOL_MAX_CHUNKS)
         chunk = (rows + POOL_MAX_CHUNKS - 1) / POOL_MAX_CHUNKS;
-    chunk = (chunk + ROWS - 1) / ROWS * ROWS; /* whole ROWS-row tiles */
-    return chunk > 0 ? chunk : ROWS;
+    chunk = (chunk + multiple - 1) / multiple * multiple; /* whole tiles */
+    return chunk > 0 ? chunk : multiple;
 }
 
 static int32_t gemm_run(int bf16, const uint16_t *w, int64_t ldw, const uint16_t *xh,
@@ -167,12 +190,26 @@ static int32_t gemm_run(int bf16, const uint16_t *w, int64_t ldw, const uint16_t
         if (bf16) bf16_layout(xh + i * ldx, k, x + i * k);
         else f16_layout(xh + i * ldx, k, x + i * k);
     }
-    gemm_job job = {w, ldw, x, m, rows, k, y, ldy, chunk_rows(rows, k, pool_threads()), bf16};
+    uint16_t *pack = NULL;
+    int64_t multiple = ROWS;
+#if AMX_TILES
+    if (bf16 && amx_fits(rows, k)) {
+        pack = amx_pack_x(xh, ldx, m, k);
+        if (!pack) {
+            free(x);
+            return -1;
+        }
+        multiple = AMX_GROUP * AMX_ROWS;
+    }
+#endif
+    gemm_job job = {w, ldw, x, m, rows, k, y, ldy, chunk_rows(rows, k, pool_threads(), multiple),
+                    bf16, pack};
     const int64_t chunks = (rows + job.chunk - 1) / job.chunk;
     /* the weight rows as one buffer, for the pool's read-ahead (packed rows only) */
     const int64_t row_bytes = k * (int64_t)sizeof(*w);
     const pool_span span = {(const char *)w, job.chunk * row_bytes, rows * row_bytes, chunks};
     pool_run_span(gemm_chunk, &job, chunks, ldw == k ? &span : NULL);
+    free(pack);
     free(x);
     return 0;
 }
@@ -215,3 +252,12 @@ int32_t gemm_lanes(void) { return LANES; }
 
 /* 1 when bf16 tiles use AVX512-BF16's dot product (bf16 subnormal inputs count as zero). */
 int32_t gemm_bf16_dot(void) { return DPBF16; }
+
+/* 1 when bf16 projections with k a multiple of 32 and 16+ weight rows use AMX tiles. */
+int32_t gemm_amx(void) {
+#if AMX_TILES
+    return amx_ready();
+#else
+    return 0;
+#endif
+}
