@@ -4,7 +4,8 @@
 step's projection set (q/k/v, o, gate/up, down of every layer; no lm_head) of two Llama shapes,
 bf16, for each row count M: the native op on ``--threads`` pool threads and ``F.linear`` on as
 many torch threads, alternating round by round (the machine is shared and noisy), then prints
-the medians and their ratio. Used to pick ``native_matmul_rows()`` in tpserve/layers/linear.py.
+the medians and their ratio (the figures behind the note in tpserve/layers/linear.py).
+``TPSERVE_AMX=0`` times gemm.c's AVX512-BF16 tiles where it would take AMX tiles.
 """
 
 from __future__ import annotations

@@ -11,7 +11,6 @@ from tests.checkpoints import make_checkpoint
 from tests.harness import build_engine, make_request, run_all
 from tpserve.engine.prefix_cache import PrefixCache
 from tpserve.engine.sampling_params import SamplingParams
-from tpserve.layers.linear import NATIVE_MATMUL_ROWS
 
 PS = 4
 
@@ -114,11 +113,8 @@ def test_long_prompt_logprobs_bit_equal_on_a_hit(wide: Path) -> None:
     """bf16, a prompt of several chunks' worth of rows: the first run computes it in 64-row
     chunks, a hit recomputes only its last page in a small step. Every token's
     log-probability is bit-equal to the run without the cache: each projection row rounds the
-    same whatever rows share its call (on AVX512-BF16 CPUs ATen used to take the steps above
-    16 rows, and a hit's tail then differed in bits). On AMX CPUs ATen keeps the steps above
-    8 rows (tpserve/layers/linear.py), so there this holds for prompts within 8 rows only."""
-    if NATIVE_MATMUL_ROWS < 64:
-        pytest.skip(f"this CPU's matmul above {NATIVE_MATMUL_ROWS} rows is ATen's (AMX)")
+    same whatever rows share its call (ATen's oneDNN gemm used to take the steps above 16 rows
+    on AVX512-BF16 CPUs and above 8 on AMX ones, and a hit's tail then differed in bits)."""
     prompt = [(7 * i + 3) % 90 + 5 for i in range(150)]
     params = SamplingParams(max_new_tokens=10, temperature=0.0, ignore_eos=True, logprobs=1)
 

@@ -19,8 +19,6 @@ from dataclasses import dataclass
 
 import torch
 
-from tpserve.layers.linear import NATIVE_MATMUL_ROWS
-
 # Above this, elementwise work per op (rows x hidden) is large enough to split even where
 # every projection is native (AVX2 CPUs send any row count to tpserve::matmul).
 MAX_SMALL_TOKENS = 64
@@ -36,7 +34,7 @@ class StepThreads:
     def for_device(cls, device: torch.device) -> StepThreads:
         """CPU ranks switch; elsewhere ``small_tokens`` is 0 and ``fit`` never changes a thing."""
         full = torch.get_num_threads()
-        small = min(NATIVE_MATMUL_ROWS, MAX_SMALL_TOKENS) if device.type == "cpu" else 0
+        small = MAX_SMALL_TOKENS if device.type == "cpu" else 0
         return cls(full, small if full > 1 else 0, full)
 
     def threads_for(self, tokens: int) -> int:

@@ -1,12 +1,12 @@
 """The Llama-family layer stack run by native ops on CPU (``decoder_stack.cpp``).
 
 A batch-1 CPU decode step of the bench model streams its weights in ~2.2 ms and spent ~1.2 ms
-more calling ~14 ops a layer from Python. For steps of at most ``NATIVE_MATMUL_ROWS`` tokens
-(decode, speculative verify, small mixed steps) the layers run instead as
+more calling ~14 ops a layer from Python. For CPU steps of any size (decode, speculative
+verify, mixed steps, prompt chunks) the layers run instead as
 ``tpserve::decoder_layers`` (the whole stack in one call, one rank) or, under tensor
 parallelism, as two calls a layer with this rank's allreduce between them. Same kernels, same
 order, same roundings: the hidden states are bit-equal to the Python layers', which still run
-every other step (prefill chunks, other devices, models this does not cover).
+the steps this does not take (other devices, compiled steps, models this does not cover).
 
 ``DecoderStack.of(model)`` says whether a model qualifies (and why not):
 ``llama.DecoderLayer`` layers with a dense MLP, NeoX rotary, no q/k norm, plain 16/32-bit
@@ -25,7 +25,6 @@ import torch
 from tpserve.layers import cpu_ops
 from tpserve.layers.attention.base import AttentionMetadata
 from tpserve.layers.linear import (
-    NATIVE_MATMUL_ROWS,
     ColumnParallelLinear,
     QKVParallelLinear,
     RowParallelLinear,
@@ -124,7 +123,7 @@ class DecoderStack:
         """Steps the native layers take: CPU, at most as many tokens as tpserve::matmul does,
         not inside torch.compile (``--compile`` keeps compiling the Python layers: the ops
         write views of the KV pools, which functionalization would copy whole every step)."""
-        return x.is_cpu and x.shape[0] <= NATIVE_MATMUL_ROWS and not torch.compiler.is_compiling()
+        return x.is_cpu and not torch.compiler.is_compiling()
 
     def run(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
             meta: AttentionMetadata, window: int, scale: float, kv: list[KVPair],
@@ -234,12 +233,11 @@ class DraftBlocks:
             m = _reduced(d.tp.comm, m, down_bias)
         return h + m
 
-    def can_grow(self, embed: Any, rows: int) -> bool:
+    def can_grow(self, embed: Any) -> bool:
         """Whether ``grow`` applies: the draft and the embedding it reads are whole on this
-        rank (no collective inside), and the ``rows`` of each forward (the beam's; the
-        extend's too when it runs inside) take the native matmul."""
+        rank (no collective inside)."""
         return (self.draft.tp.size == 1 and getattr(embed, "tp", None) is not None
-                and embed.tp.size == 1 and rows <= NATIVE_MATMUL_ROWS)
+                and embed.tp.size == 1)
 
     def grow(self, hidden: torch.Tensor, roots: torch.Tensor, embed: Any, cache: KVPair,
              pages: torch.Tensor, committed: torch.Tensor, topk: int, num_steps: int,

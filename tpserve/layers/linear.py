@@ -7,8 +7,6 @@ materialises a full weight on a rank.
 
 from __future__ import annotations
 
-import os
-import sys
 from typing import Any
 
 import torch
@@ -18,57 +16,35 @@ from torch import nn
 from tpserve.layers import cpu_ops
 from tpserve.layers.tp import TPContext, divide
 
-# Rows up to which a CPU projection goes through tpserve::matmul (gemm.c) rather than ATen.
-# ATen's bf16 matmul is a oneDNN gemm whose speed depends on the CPU's matrix ISA, so the
-# crossover does too (launch/bench_gemm.py --threads 2, quiet 2-vCPU Xeon, ms per decode
-# step's projections, native vs F.linear; ONEDNN_MAX_CPU_ISA caps oneDNN to mimic other CPUs):
-#   AMX (oneDNN default here), hidden 512 x 8 layers: M=1 2.3 vs 4.2, 4: 3.1 vs 5.7,
-#     6: 6.9 vs 7.9, 8: 6.1 vs 5.5, 16: 10.1 vs 6.2; hidden 2048 x 2: 4: 15.5 vs 15.1, 8: 19.6
-#     vs 13.3 -> native up to 4 rows would be fastest, but we keep 8: a batch-1 verify of the
-#     default 8-token tree then runs the same kernel as plain decode, so its logits are bit-equal
-#     to plain decode's and greedy speculation stays token-identical (a 0.7-0.9x cost at 5-8
-#     rows, where only verify and small batches land). Above 8 rows the AMX gemm is several
-#     times faster, so there a prompt's bits depend on how it was batched (below).
-#   AVX512-BF16 without AMX: 16 rows 10.3 vs 11.9 and 32.9 vs 32.4, 64 rows 34 vs 29 and 113
-#     vs 95; on a 2-vCPU AVX-512 EPYC (Zen 4 class, 256 KB chunks) ATen/native 1.00-1.16 up to
-#     16 rows, 0.71-0.81 at 64-512 -> native at any M all the same: every output's bits then
-#     stay independent of how the tokens were batched (a prefix hit's recomputed tail, a
-#     chunked or preempted prompt, decode rows beside a prompt chunk), where with ATen above
-#     16 rows a repeated 128-token prompt's greedy output on the bench model changed at its
-#     115th token on a hit. The cost is small where attention and the rest share the step:
-#     that model's offline 8192-token prefill 1050 vs 1080 tok/s.
-#   AVX2 (Zen 3-class): native 4-5.5x faster at every M from 8 to 64 (h512: 64 rows 29 vs 159
-#     ms), and oneDNN's AVX2 bf16 gemm stays ~9 GFLOP/s at any size -> native at any M.
-AMX_ROWS = 8
-
-
-def native_matmul_rows() -> int:
-    """Largest row count sent to ``tpserve::matmul`` on this CPU (see the table above)."""
-    isa = os.environ.get("ONEDNN_MAX_CPU_ISA", "ALL").upper()
-    capped = isa != "ALL" and isa != "DEFAULT"
-    if torch.cpu._is_amx_tile_supported() and (not capped or "AMX" in isa):
-        return AMX_ROWS
-    return sys.maxsize
-
-
-# Resolved once at import: dynamo cannot trace torch.cpu's ISA probes inside compiled decode.
-NATIVE_MATMUL_ROWS = native_matmul_rows()
+# Every CPU projection of 16-bit weights goes through tpserve::matmul (gemm.c), at any row
+# count: each output is then one fixed sum whatever rows share its call, so a token's bits do
+# not depend on how it was batched (a prefix hit's recomputed tail, a chunked or preempted
+# prompt, decode rows beside a prompt chunk, a speculative verify beside plain decode). ATen's
+# oneDNN gemm rounds a row differently with the row count: on a 2-vCPU Xeon with AMX, a 512 x
+# 1536 projection's rows at 4-36 rows differ from the same rows at 300, and with it above 8
+# rows a repeated 150-token prompt's greedy output on the bench model changed on a prefix hit.
+# Speed, `python -m launch.bench_gemm --threads 2` (ms for one step's projections of the
+# hidden-512 x 8-layer model, ours vs F.linear): on that Xeon gemm.c's AMX tiles (gemm_amx.c)
+# 1.4 vs 3.5 at 1 row, 1.6-2.3 vs 3.5-4.3 at 16, 5.6-5.9 vs 6.4-7.1 at 64, 14-15 vs 11-12 at
+# 256 (with TPSERVE_AMX=0, the AVX512-BF16 tiles: 1.3-1.4, 5.6-6.5, 22-24, 83). On a 2-vCPU
+# AVX-512 EPYC without AMX, ATen/ours 1.00-1.16 up to 16 rows, 0.71-0.81 at 64-512; on AVX2
+# CPUs (Zen 3) ours is 4-5.5x faster from 8 to 64 rows (oneDNN's AVX2 bf16 gemm stays at ~9
+# GFLOP/s). TPSERVE_NATIVE_GEMM=0 sends every projection to ATen (cpu_ops.cpp).
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
            ) -> torch.Tensor:
-    """``F.linear``, but CPU projections of up to ``NATIVE_MATMUL_ROWS`` rows (decode,
-    speculative verify, mixed decode + prefill steps) go through ``tpserve::matmul``
-    (``cpu_ops``).
+    """``F.linear``, but CPU projections go through ``tpserve::matmul`` (``cpu_ops``; see the
+    note above for why at every row count).
 
-    Those steps do little but stream the weights, and ATen's CPU matmul (a oneDNN gemm) streams
-    bf16 weights at a fraction of our kernel's rate, which splits the weight rows across its
-    own threads and reads each weight once per block of rows. The op is opaque to inductor, so
+    Decode steps do little but stream the weights, and ATen's CPU matmul (a oneDNN gemm)
+    streams bf16 weights at a fraction of our kernel's rate, which splits the weight rows
+    across its own threads and reads each weight once per block of rows. The op is opaque to inductor, so
     compiled decode rounds exactly like eager; and each output's arithmetic does not depend on
     the other rows in the call or the thread count, so a token's logits are the same in plain
     decode and in a verify batch.
     """
-    if x.dim() != 2 or x.shape[0] > NATIVE_MATMUL_ROWS or not x.is_cpu:
+    if x.dim() != 2 or not x.is_cpu:
         return F.linear(x, weight, bias)
     y = torch.ops.tpserve.matmul(x, weight)
     return y if bias is None else y + bias

@@ -448,11 +448,10 @@ class Drafter:
         committed = committed_lens(step)
         token_ids = np.ascontiguousarray(step.token_ids, dtype=np.int64)
         roots = torch.from_numpy(token_ids[np.cumsum(step.q_lens) - 1])
-        beam = len(rows) * self.cfg.topk
         native = (self.runner.static is None
-                  and can_grow_natively(self.draft, self.embed, beam, device))
+                  and can_grow_natively(self.draft, self.embed, device))
         self.trees["native" if native else "loop"] += 1
-        if native and can_grow_natively(self.draft, self.embed, len(token_ids), device):
+        if native:
             self._remember_page_ends(rows, starts.tolist(), step.page_table)
             feats = (rows[0] if len(rows) == 1 else torch.cat(rows)).to(
                 device=device, dtype=self.draft.fc.weight.dtype)

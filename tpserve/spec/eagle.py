@@ -86,14 +86,13 @@ def draft_tree(draft: Eagle3Draft, embed: nn.Module, cache: tuple[torch.Tensor, 
                        torch.cat(parents, 1), cfg.num_draft_tokens, cfg.num_steps)
 
 
-def can_grow_natively(draft: Eagle3Draft, embed: nn.Module, rows: int,
-                      device: torch.device) -> bool:
+def can_grow_natively(draft: Eagle3Draft, embed: nn.Module, device: torch.device) -> bool:
     """The native loop applies: the draft's midlayer runs natively (CPU, ``cpu`` attention,
-    C++ ops), the draft and its embedding are whole on this rank, forwards of ``rows`` rows
-    fit the native matmul and nothing is being compiled."""
+    C++ ops), the draft and its embedding are whole on this rank and nothing is being
+    compiled."""
     blocks = draft.blocks
     return (blocks is not None and device.type == "cpu" and not torch.compiler.is_compiling()
-            and blocks.can_grow(embed, rows))
+            and blocks.can_grow(embed))
 
 
 def grow_natively(draft: Eagle3Draft, embed: nn.Module, cache: tuple[torch.Tensor, ...],
