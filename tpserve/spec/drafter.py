@@ -465,8 +465,7 @@ class Drafter:
         root_out = self._draft_extend(rows, toks, starts.tolist(), step.page_table)
         return draft_tree(self.draft, self.embed, cache, root_out, roots,
                           torch.from_numpy(step.page_table).long(),
-                          torch.from_numpy(committed).long(), self.cfg, ps, self._draft_step,
-                          native)
+                          torch.from_numpy(committed).long(), self.cfg, ps, self._draft_step)
 
     def _hand_over(self, tree: DraftTree | None, batch: int) -> DraftTree:
         """The drafting rank's tree on every rank: one allreduce of the packed tree (tokens,
