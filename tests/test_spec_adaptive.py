@@ -212,6 +212,10 @@ def test_engine_switches_and_stays_lossless(ckpts: tuple[Path, Path]) -> None:
             # averages may have drifted since on a loaded machine, hence the slack.
             assert row["3/2/6"]["measured_tok_s"] < 0.75 * row["off"]["measured_tok_s"], snap
     assert snap["choice"] in snap["candidates"]
+    # When each setting is next re-timed can be read off the snapshot.
+    timed = [c for row in snap["by_batch"].values() for c in row.values()]
+    assert all(0 <= c["last_step"] <= snap["steps"] and c["backoff"] >= 0 for c in timed), snap
+    assert max(c["last_step"] for c in timed) > 0 and snap["probing_from"] in (None, *snap["candidates"])
 
 
 DEMO = dict(device="cpu", dtype="float32", allreduce="gloo", cpu_threads=1,

@@ -752,13 +752,18 @@ class AdaptiveChooser:
     def snapshot(self) -> dict[str, Any]:
         bucket = self.last_bucket
         cur = self.costs.get(bucket, {}).get(self.current)
+        # last_step (the chooser step it was last timed at) and backoff (re-measurements in
+        # a row that found it far below the best) say when a setting is next re-timed: a
+        # live server once sat on 2/1/3 with 4/1/5 timed over only its first 4 steps.
         table = {str(b): {s.label: {"predicted_tok_s": self.predict(b, s),
                                     "measured_tok_s": c.tok_s, "steps": c.step_ms.count,
-                                    "step_ms": c.step_ms.value}
+                                    "step_ms": c.step_ms.value, "last_step": c.last_step,
+                                    "backoff": c.backoff}
                           for s, c in sorted(row.items())}
                  for b, row in sorted(self.costs.items())}
         return {"choice": self.current.label, "batch_bucket": bucket,
                 "predicted_tok_s": self.predict(bucket, self.current),
                 "measured_tok_s": cur.tok_s if cur is not None else None,
-                "switches": self.switches, "candidates": [s.label for s in self.allowed],
-                "by_batch": table}
+                "switches": self.switches, "steps": self.steps,
+                "probing_from": None if self.probe_from is None else self.probe_from.label,
+                "candidates": [s.label for s in self.allowed], "by_batch": table}
