@@ -12,12 +12,12 @@ import torch
 from tpserve.engine.sampler import (
     apply_min_tokens,
     apply_penalties,
-    inverse_cdf,
     make_generator,
     sample,
     target_probs,
 )
 from tpserve.engine.sampling_params import SamplingParams
+from tpserve.layers.fused import inverse_cdf
 
 # ---------------------------------------------------------------------------------------------
 # Independent float64 reference for the sampled distribution.

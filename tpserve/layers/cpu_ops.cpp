@@ -337,7 +337,7 @@ std::tuple<at::Tensor, at::Tensor> greedy_logprob(const at::Tensor &logits) {
 // of them (top-p then cuts that list); with top-p alone a histogram over weight buckets (an
 // eighth of an octave each, best first) says in which bucket the prefix ends, and only that
 // bucket's tokens are ranked. Then one draw with u over the survivors in token order, as
-// sampler.inverse_cdf walks target_probs. `w`: tempered_weights (the best is 1), `total`
+// fused.inverse_cdf walks target_probs. `w`: tempered_weights (the best is 1), `total`
 // their sum.
 //
 // Why: the general path sorts the whole row (torch.sort and ~15 more ops): 3 ms a row at a

@@ -101,6 +101,20 @@ def filter_sorted(sorted_probs: torch.Tensor, top_k: torch.Tensor | None,
     return probs
 
 
+def inverse_cdf(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """Row i's token: the first whose cumulative probability exceeds ``uniforms[i]`` (in
+    [0, 1)) times the row's total, i.e. a draw from ``probs`` [n, V] (rows need not sum to
+    exactly 1; zero-probability tokens are never chosen).
+
+    Why not ``torch.multinomial``: for one sample it draws V exponentials (its Gumbel-style
+    fast path), ~650 us a row at a 32000-token vocabulary on one thread against ~35 us for
+    a cumulative sum and a search, on every sampled decode step."""
+    cum = probs.double().cumsum(dim=-1)
+    target = uniforms.to(device=cum.device, dtype=cum.dtype).unsqueeze(1) * cum[:, -1:]
+    picks = torch.searchsorted(cum, target, right=True).squeeze(1)
+    return picks.clamp_(max=probs.shape[-1] - 1)
+
+
 def sample_rows_reference(logits: torch.Tensor, inv_temps: torch.Tensor, top_k: torch.Tensor,
                           top_p: torch.Tensor, min_p: torch.Tensor, uniforms: torch.Tensor
                           ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -115,10 +129,7 @@ def sample_rows_reference(logits: torch.Tensor, inv_temps: torch.Tensor, top_k: 
     ordered, order = probs.sort(dim=-1, descending=True, stable=True)
     kept = filter_sorted(ordered, top_k[:, None], top_p.double()[:, None],
                          min_p.double()[:, None])
-    probs = torch.zeros_like(probs).scatter_(1, order, kept)
-    cum = probs.cumsum(dim=-1)
-    picks = torch.searchsorted(cum, (uniforms.double() * cum[:, -1])[:, None], right=True)
-    tokens = picks.squeeze(1).clamp(max=probs.shape[-1] - 1)
+    tokens = inverse_cdf(torch.zeros_like(probs).scatter_(1, order, kept), uniforms)
     chosen = logits.gather(1, tokens[:, None]).squeeze(1) - logits.logsumexp(dim=-1)
     lowest = torch.finfo(logits.dtype).min
     return (torch.where(ok, tokens, -1),
