@@ -79,7 +79,7 @@ static inline int x_block(int64_t left) { return (int)(left < XBLOCK ? left : XB
 typedef struct {
     const uint16_t *w;
     int64_t ldw;
-    const float *x; /* m rows of the fp32 layout, k apart */
+    const float *x; /* m rows of the fp32 layout, k apart (NULL where AMX takes every row) */
     int64_t m, rows, k;
     uint16_t *y;
     int64_t ldy;
@@ -184,24 +184,34 @@ static int32_t gemm_run(int bf16, const uint16_t *w, int64_t ldw, const uint16_t
                         int64_t ldx, int64_t m, int64_t rows, int64_t k, uint16_t *y,
                         int64_t ldy) {
     if (m <= 0 || rows <= 0) return 0;
-    float *x = (float *)malloc((size_t)(m * k > 0 ? m * k : 1) * sizeof(float));
-    if (!x) return -1;
-    for (int64_t i = 0; i < m; i++) {
-        if (bf16) bf16_layout(xh + i * ldx, k, x + i * k);
-        else f16_layout(xh + i * ldx, k, x + i * k);
-    }
     uint16_t *pack = NULL;
     int64_t multiple = ROWS;
 #if AMX_TILES
     if (bf16 && amx_fits(rows, k)) {
         pack = amx_pack_x(xh, ldx, m, k);
-        if (!pack) {
-            free(x);
-            return -1;
-        }
+        if (!pack) return -1;
         multiple = AMX_GROUP * AMX_ROWS;
     }
 #endif
+    /* x in gemm_tiles.c's layout, for the rows the tiles compute: none where AMX takes them
+     * all (its own copy of x is `pack`). */
+    float *x = NULL;
+#if AMX_TILES
+    const int tiles = !pack || rows % AMX_ROWS != 0;
+#else
+    const int tiles = 1;
+#endif
+    if (tiles) {
+        x = (float *)malloc((size_t)(m * k > 0 ? m * k : 1) * sizeof(float));
+        if (!x) {
+            free(pack);
+            return -1;
+        }
+        for (int64_t i = 0; i < m; i++) {
+            if (bf16) bf16_layout(xh + i * ldx, k, x + i * k);
+            else f16_layout(xh + i * ldx, k, x + i * k);
+        }
+    }
     gemm_job job = {w, ldw, x, m, rows, k, y, ldy, chunk_rows(rows, k, pool_threads(), multiple),
                     bf16, pack};
     const int64_t chunks = (rows + job.chunk - 1) / job.chunk;
@@ -216,7 +226,7 @@ static int32_t gemm_run(int bf16, const uint16_t *w, int64_t ldw, const uint16_t
 #endif
 
 /* Y[i, r] = sum_c W[r, c] * X[i, c] for i < m, r < rows: W rows `ldw` elements apart, X rows
- * `ldx`, Y rows `ldy`. Returns 0, or -1 when the fp32 copy of X cannot be allocated (or, with
+ * `ldx`, Y rows `ldy`. Returns 0, or -1 when a copy of X cannot be allocated (or, with
  * no vector path in this build, always -1: the caller keeps ATen). */
 int32_t gemm_bf16(const uint16_t *w, int64_t ldw, const uint16_t *x, int64_t ldx, int64_t m,
                   int64_t rows, int64_t k, uint16_t *y, int64_t ldy) {
