@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 
 # Above this, elementwise work per op (rows x hidden) is large enough to split even where
-# every projection is native (AVX2 CPUs send any row count to tpserve::matmul).
+# every projection is native (every CPU sends any row count to tpserve::matmul).
 MAX_SMALL_TOKENS = 64
 
 

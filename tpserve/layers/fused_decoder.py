@@ -120,8 +120,8 @@ class DecoderStack:
 
     @staticmethod
     def fits(x: torch.Tensor) -> bool:
-        """Steps the native layers take: CPU, at most as many tokens as tpserve::matmul does,
-        not inside torch.compile (``--compile`` keeps compiling the Python layers: the ops
+        """Steps the native layers take: CPU (tpserve::matmul takes any row count there), not
+        inside torch.compile (``--compile`` keeps compiling the Python layers: the ops
         write views of the KV pools, which functionalization would copy whole every step)."""
         return x.is_cpu and not torch.compiler.is_compiling()
 
