@@ -18,16 +18,13 @@
 #include "gemm_pool.c"
 
 /* AMX tiles for bf16 where the compiler targets them (-march=native on a CPU that has them):
- * gemm_amx.c. -DAMX_TILES=0 builds without them (the tests compare both). */
+ * gemm_amx.c, included below. -DAMX_TILES=0 builds without them (the tests compare both). */
 #ifndef AMX_TILES
 #if DPBF16 && defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__linux__)
 #define AMX_TILES 1
 #else
 #define AMX_TILES 0
 #endif
-#endif
-#if AMX_TILES
-#include "gemm_amx.c"
 #endif
 
 /* Bytes of weights per chunk, and at least CHUNKS_PER_THREAD chunks a thread, so a thread that
@@ -108,6 +105,10 @@ static void store_bf16(uint16_t *dst, const float *src, int64_t n) {
 static void store_f16(uint16_t *dst, const float *src, int64_t n) {
     for (int64_t i = 0; i < n; i++) dst[i] = f32_to_f16(src[i]);
 }
+
+#if AMX_TILES
+#include "gemm_amx.c" /* after store_bf16, which it uses */
+#endif
 
 /* Rows [r0, r1) of W against every row of x, XBLOCK x rows at a time (4 weight rows per tile
  * for a lone x row). */

@@ -291,8 +291,7 @@ static void amx_rows(const uint16_t *w, int64_t ldw, const uint16_t *pack, int64
             for (int t = 0; t < n; t++) {
                 uint16_t *out = y + i0 * ldy + r + t * AMX_ROWS;
                 if (nb == 1)
-                    _mm256_storeu_si256((__m256i *)out, _mm512_cvtepi32_epi16(
-                        f32x16_to_bf16_bits(_mm512_load_ps(&sums[t][0][0]))));
+                    store_bf16(out, &sums[t][0][0], AMX_ROWS);
                 else
                     amx_store(sums[t], xs, out, ldy);
             }
