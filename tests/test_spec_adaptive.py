@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -406,6 +407,49 @@ def test_a_long_stretch_aside_keeps_requests_where_following_pays(
     assert len(held) == 2 * MAX_DEFERRED and min(held) >= 1, held
     assert max(held) <= MAX_DEFERRED + 1, held  # written at the cap
     assert stats["steps"] > spec_steps[-1], stats  # and speculating again afterwards
+
+
+@pytest.mark.parametrize("first_tokens", [96, 20])
+def test_followed_requests_behind_an_unfollowed_one_are_let_go(
+        demo_ref: tuple[list, list], first_tokens: int) -> None:
+    """No step speculates while the draft does not follow one of its requests, so a followed
+    request stepping aside behind one is let go at the deferral cap even where following
+    pays at the batch size, unless it outlives that request by MAX_DEFERRED tokens or more:
+    then its rows are written and it speculates once that request is done. Outputs never
+    change."""
+    from tpserve.spec.decoder import MAX_DEFERRED
+
+    prompts, ref = demo_ref
+    spec = demo_spec(speculative_adaptive="off")
+    engine, decoder = spec.engine, spec.spec
+    engine.reconfigure({"speculative": {"enabled": False}})
+    follow = {"new": False}
+    engine._follow_new = lambda: follow["new"]  # the first request is admitted unfollowed
+    sink: dict = {}
+    first = spec.request(prompts[0], replace(DEMO_PARAMS, max_new_tokens=first_tokens), sink)
+    engine.scheduler.add(first)
+    engine.step(engine.next_batch())
+    follow["new"] = True  # the second one where following pays
+    second = spec.request(prompts[1], DEMO_PARAMS, sink)
+    engine.scheduler.add(second)
+    followed: list[bool] = []  # per step after its admission: still followed
+    inner = engine.step
+
+    def step(batch):  # type: ignore[no-untyped-def]
+        inner(batch)
+        followed.append(decoder.follows(second))
+
+    engine.step = step
+    run_steps(engine, {first_tokens + 4: {"speculative": {"enabled": True}}})
+    stats = decoder.snapshot()
+    spec.close()
+    assert sink[first.rid].output_ids == ref[0][:first_tokens]
+    assert sink[second.rid].output_ids == ref[1]
+    assert followed[0] and followed[MAX_DEFERRED - 2], followed
+    if first_tokens == 96:  # it would outlive the first by one token: let go, never speculates
+        assert not any(followed[MAX_DEFERRED + 1:]) and stats["steps"] == 0, (followed, stats)
+    else:  # it outlives it: still followed, and speculating once it is done
+        assert all(followed[:first_tokens]) and stats["steps"] > 0, (followed, stats)
 
 
 def test_prompts_ride_with_plain_decode_while_speculating(demo_ref: tuple[list, list]) -> None:
