@@ -621,8 +621,12 @@ def test_a_re_measurement_that_looks_slower_is_left_after_its_timed_steps(batch:
     machine decided there whether speculation came back)."""
     chooser, picks = picks_with_a_slow_chain(batch, 700)
     runs = runs_of(picks, SLOW_CHAIN)
-    assert len(runs) == 2, runs  # tried, then re-measured once
-    assert runs[1][1] == (chooser.cfg.single_probe_steps if batch == 1 else 1), runs
+    # Tried, then re-measured every refresh_every steps (fewer than backoff_after timed).
+    assert len(runs) == 3 and chooser.costs[batch][SLOW_CHAIN].step_ms.count < \
+        chooser.cfg.backoff_after, runs
+    probe = chooser.cfg.single_probe_steps if batch == 1 else 1
+    assert [n for _, n in runs[1:]] == [probe, probe], runs
+    assert all(b - a >= chooser.cfg.refresh_every for (a, _), (b, _) in zip(runs, runs[1:])), runs
 
 
 def test_prompt_steps_count_against_the_setting_that_runs() -> None:
@@ -795,6 +799,24 @@ def test_a_slow_stretch_of_the_machine_does_not_bury_a_setting() -> None:
     rates = {1: 0.85, 2: 0.9}
     ratios = against_pinned(lambda i: rates, lambda i: 1.8 if ((i + 100) // 170) % 2 else 1.0)
     assert min(ratios) >= 0.95 and sum(ratios) / len(ratios) >= 0.98, ratios
+
+
+def test_a_setting_timed_over_a_few_steps_is_not_left_for_long() -> None:
+    """A setting far below the best, timed over fewer than ``backoff_after`` steps at a
+    bucket, keeps the ``refresh_every`` wait however many re-measurements found it slow;
+    with more steps behind it, the wait doubles per such re-measurement."""
+    allowed = candidates(TREE, 8, shapes_fixed=False)
+    chooser = AdaptiveChooser(TREE, allowed)
+    drive(chooser, 1, 300, random.Random(7))
+    chain = Setting(4, 1, 5)  # an anchor: measured at batch 1 by now
+    cost = chooser.costs[1][chain]
+    cost.step_ms.count, cost.backoff = 4, 5
+    cost.window_ms.value *= 3  # timed slow: far below the best
+    best = chooser._best(1)
+    assert chooser._far(1, chain, best)
+    assert chooser._refresh_interval(1, chain, best) == chooser.cfg.refresh_every
+    cost.step_ms.count = chooser.cfg.backoff_after
+    assert chooser._refresh_interval(1, chain, best) == chooser.cfg.refollow_every
 
 
 def test_plain_decoding_timed_in_a_slow_stretch_is_re_measured() -> None:
