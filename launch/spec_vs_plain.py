@@ -6,6 +6,13 @@ a slow moment of a shared machine hits both sides alike), then prints the median
 each, the median of the per-round ratios and the ratio of the totals (all tokens over all
 time), and writes JSON with ``--json``.
 
+Clients: at a concurrency C above 1 a round is C clients sending ``--requests-per-client``
+requests each, every client its next one as soon as the last is answered (a closed loop, as
+``--max-concurrency`` in vLLM's and SGLang's serving benchmarks); ``--requests-per-client 1``
+is one burst of C requests, whose time is that of the slowest (a speculative server's requests
+advance at their own acceptance, so its burst ends with a tail of a few stragglers that a
+plain server's equal-length burst does not have). At concurrency 1 a round is one request.
+
 Prompts: by default each round takes the next ``concurrency`` built-in prompts, so batch 1
 cycles through all of them (how far a draft gets depends a lot on the text: on the demo pair
 one prompt speculates at 0.9x plain and another at 1.6x); ``--same-prompts`` gives every
@@ -27,13 +34,15 @@ from tpserve.bench import DEFAULT_PROMPTS, new_client, run_batch
 
 
 def one_round(client: httpx.Client, urls: dict[str, str], conc: int, tokens: int, flip: bool,
-              first: int = 0) -> dict[str, float]:
-    """One batch on each server; tok/s per server and, under ``seconds``, the wall times."""
-    prompts = [DEFAULT_PROMPTS[(first + k) % len(DEFAULT_PROMPTS)] for k in range(conc)]
+              first: int = 0, per_client: int = 1) -> dict[str, float]:
+    """One batch on each server (``conc`` clients, ``per_client`` requests each); tok/s per
+    server and, under ``seconds``, the wall times."""
+    count = conc * per_client
+    prompts = [DEFAULT_PROMPTS[(first + k) % len(DEFAULT_PROMPTS)] for k in range(count)]
     order = list(urls.items())[::-1] if flip else list(urls.items())
     out: dict[str, float] = {}
     for name, url in order:
-        run = run_batch(url, prompts, tokens, 0.0, client)
+        run = run_batch(url, prompts, tokens, 0.0, client, conc)
         out[name] = run.tokens / run.seconds
         out[f"{name}_tokens"], out[f"{name}_seconds"] = run.tokens, run.seconds
     return out
@@ -64,6 +73,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--requests-per-client", type=int, default=4,
+                    help="at concurrency > 1, requests each client sends per round, the next "
+                         "as soon as the last is answered (1: one burst)")
     ap.add_argument("--same-prompts", action="store_true",
                     help="every round the first prompts (default: each round the next ones)")
     ap.add_argument("--json")
@@ -72,10 +84,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     report: dict[str, Any] = {}
     with new_client() as client:
         for conc in (int(c) for c in args.concurrency.split(",")):
+            per = 1 if conc == 1 else max(1, args.requests_per_client)
             for i in range(args.warmup):
-                one_round(client, urls, conc, args.max_tokens, i % 2 == 1)
-            firsts = [0 if args.same_prompts else i * conc for i in range(args.rounds)]
-            rounds = [one_round(client, urls, conc, args.max_tokens, i % 2 == 1, first)
+                one_round(client, urls, conc, args.max_tokens, i % 2 == 1, 0, per)
+            firsts = [0 if args.same_prompts else i * conc * per for i in range(args.rounds)]
+            rounds = [one_round(client, urls, conc, args.max_tokens, i % 2 == 1, first, per)
                       for i, first in enumerate(firsts)]
             row = {"plain_tok_s": statistics.median(r["plain"] for r in rounds),
                    "spec_tok_s": statistics.median(r["spec"] for r in rounds),

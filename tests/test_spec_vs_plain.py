@@ -14,8 +14,9 @@ def test_rounds_cycle_prompts_and_report_both_ratios(monkeypatch: pytest.MonkeyP
     speed = {"http://plain": 100.0, "http://spec": 150.0}
 
     def fake_run(url: str, prompts: list[str], tokens: int, temperature: float,
-                 client: object) -> RunResult:
+                 client: object, clients: int | None = None) -> RunResult:
         calls.append((url, tuple(prompts)))
+        assert clients == 1
         slow = 2.0 if prompts[0] == DEFAULT_PROMPTS[1] and url == "http://spec" else 1.0
         return RunResult(tokens * len(prompts), tokens * len(prompts) * slow / speed[url],
                          10, None)
@@ -38,3 +39,24 @@ def test_rounds_cycle_prompts_and_report_both_ratios(monkeypatch: pytest.MonkeyP
     svp.main(["--plain", "http://plain", "--spec", "http://spec", "--concurrency", "1",
               "--rounds", "3", "--warmup", "0", "--same-prompts"])
     assert {p for _, p in calls} == {(DEFAULT_PROMPTS[0],)}
+
+
+def test_a_round_at_higher_concurrency_is_a_closed_loop_of_clients(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """At concurrency 8 each round is 8 clients sending ``--requests-per-client`` requests
+    each (the next prompts in turn); 1 is one burst of 8."""
+    calls: list[tuple[int | None, int]] = []
+
+    def fake_run(url: str, prompts: list[str], tokens: int, temperature: float,
+                 client: object, clients: int | None = None) -> RunResult:
+        calls.append((clients, len(prompts)))
+        return RunResult(tokens * len(prompts), 1.0, 10, None)
+
+    monkeypatch.setattr(svp, "run_batch", fake_run)
+    svp.main(["--plain", "http://plain", "--spec", "http://spec", "--concurrency", "8",
+              "--rounds", "2", "--warmup", "0"])
+    assert calls == [(8, 32)] * 4
+    calls.clear()
+    svp.main(["--plain", "http://plain", "--spec", "http://spec", "--concurrency", "8",
+              "--rounds", "2", "--warmup", "0", "--requests-per-client", "1"])
+    assert calls == [(8, 8)] * 4

@@ -55,11 +55,13 @@ def one_request(client: httpx.Client, url: str, prompt: str, max_tokens: int,
 
 
 def run_batch(url: str, prompts: list[str], max_tokens: int, temperature: float,
-              client: httpx.Client) -> RunResult:
-    """``len(prompts)`` concurrent requests on ``client`` (thread-safe, pooled connections);
-    tokens summed, time = wall time of the batch."""
+              client: httpx.Client, clients: int | None = None) -> RunResult:
+    """``prompts`` sent by ``clients`` concurrent clients on ``client`` (thread-safe, pooled
+    connections), each sending the next prompt as soon as its last one is answered: a closed
+    loop, like ``--max-concurrency`` in vLLM's and SGLang's serving benchmarks. By default one
+    client per prompt (a burst). Tokens summed, time = wall time of the batch."""
     start = time.perf_counter()
-    with ThreadPoolExecutor(len(prompts)) as pool:
+    with ThreadPoolExecutor(clients or len(prompts)) as pool:
         outs = list(pool.map(lambda p: one_request(client, url, p, max_tokens, temperature),
                              prompts))
     accepts = [o.accept_length for o in outs if o.accept_length is not None]
