@@ -629,23 +629,6 @@ def test_a_re_measurement_that_looks_slower_is_left_after_its_timed_steps(batch:
     assert all(b - a >= chooser.cfg.refresh_every for (a, _), (b, _) in zip(runs, runs[1:])), runs
 
 
-def test_a_step_after_requests_finished_is_not_timed() -> None:
-    """A decode step over fewer requests than the last one pays for those that finished
-    (whatever the setting): it is not timed; the next one with the same batch is."""
-    from tpserve.engine.adapt import AdaptiveDriver
-
-    chooser = AdaptiveChooser(TREE, candidates(TREE, 8, shapes_fixed=False))
-    driver = AdaptiveDriver(chooser)
-    driver.observe(TREE, "decode", 4, 0.020, 12)
-    driver.observe(TREE, "decode", 2, 0.050, 6)  # two finished: not timed
-    assert 2 not in chooser.costs
-    driver.observe(TREE, "decode", 2, 0.010, 6)
-    driver.observe(TREE, "decode", 3, 0.012, 9)  # one admitted: timed
-    assert chooser.costs[2][TREE].step_ms.count == 1
-    assert chooser.costs[2][TREE].step_ms.value == pytest.approx(10.0)
-    assert chooser.costs[4][TREE].step_ms.count == 2
-
-
 def test_prompt_steps_count_against_the_setting_that_runs() -> None:
     """A prefill-only step's time goes into the next decode step's cost; a mixed step (plain
     decoding with a prompt chunk riding along) is not measured: its time is its chunk's."""

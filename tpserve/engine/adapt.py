@@ -74,7 +74,6 @@ class AdaptiveDriver:
     phases: dict[str, float] = field(default_factory=dict)
     carry: float = 0.0  # seconds of prompt-only steps since the last decode step
     previous: Setting | None = None  # the setting of the last decode step observed
-    previous_batch: int = 0  # and its decoding requests
 
     def phase(self, inner: AbstractContextManager[None], name: str
               ) -> AbstractContextManager[None]:
@@ -108,10 +107,9 @@ class AdaptiveDriver:
         Without mixing (``--disable-mixed-chunk``) a prefill-only step that ``stalled``
         running requests adds its time to the next decode step's (one with nothing else
         running costs every setting alike). A decode step under another setting than the
-        last one pays for the switch and is not timed (``AdaptiveChooser.observe``), nor is
-        one over fewer requests than the last decode step."""
+        last one pays for the switch and is not timed (``AdaptiveChooser.observe``)."""
         if not self.on:
-            self.carry, self.previous, self.previous_batch = 0.0, None, 0
+            self.carry, self.previous = 0.0, None
         elif kind == "prefill" or not batch:
             self.carry += seconds if stalled else 0.0
         elif kind == "mixed":
@@ -124,16 +122,9 @@ class AdaptiveDriver:
             draft = (ph.get("draft", 0.0) + ph.get("tree", 0.0) if not setting.off
                      else ph.get("feed", 0.0))
             switched = self.previous is not None and setting != self.previous
-            # A step after requests finished pays for them (their last events, freed pages,
-            # prefix-cache inserts) whatever the setting: demo pair at 8 clients, 5.4 ms a
-            # 4/1/5 step and 2.0 ms a plain one against 3.6 and 1.0 with the same batch as
-            # before. In a burst's tail most steps at the small buckets are such steps, and
-            # timed, they made 4/1/5 look slower than plain decoding at batch 2: the
-            # stragglers were let go and decoded plainly.
-            shrank = batch < self.previous_batch
-            self.previous, self.previous_batch = setting, batch
+            self.previous = setting
             self.chooser.observe(setting, batch, 1e3 * (seconds + self.carry), 1e3 * forward,
-                                 1e3 * draft, appended, fed, switched or shrank)
+                                 1e3 * draft, appended, fed, switched)
             self.carry = 0.0
         self.phases = {}
 
