@@ -9,7 +9,9 @@ no speculation on the same backend, then a verdict and the cost model's predicti
 
 ``adaptive`` in ``--spec`` is the engine's own choice per step (``--speculative-adaptive``):
 e.g. ``--spec off,3/1/4,4/2/8,adaptive --concurrency 1,4,8,16``. Fixed arms pin the
-settings (adaptive off); the adaptive arm hands them back to the chooser.
+settings (adaptive off); the adaptive arm hands them back to the chooser. At a concurrency C
+above 1 a run is C closed-loop clients sending ``--requests-per-client`` requests each (as
+``launch.spec_vs_plain``).
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from typing import Any
 import httpx
 
 from launch.ab_report import render_table, verdict, write_plot
-from tpserve.bench import DEFAULT_PROMPTS, new_client, run_batch
+from tpserve.bench import DEFAULT_PROMPTS, new_client, round_prompts, run_batch
 from tpserve.spec.cost_model import Measurement, fit
 
 
@@ -75,12 +77,13 @@ def apply(url: str, s: Setting, key: str | None) -> None:
 
 def measure(url: str, s: Setting, args: argparse.Namespace, prompts: list[str]) -> dict[str, Any]:
     apply(url, s, args.api_key)
-    batch = [prompts[k % len(prompts)] for k in range(s.concurrency)]
+    batch = round_prompts(prompts, s.concurrency, args.requests_per_client)
     with new_client() as client:
         for _ in range(args.warmup):
-            run_batch(url, batch, args.max_tokens, 0.0, client)
+            run_batch(url, batch, args.max_tokens, 0.0, client, s.concurrency)
         admin(url, {"reset_stats": True}, args.api_key)
-        runs = [run_batch(url, batch, args.max_tokens, 0.0, client) for _ in range(args.runs)]
+        runs = [run_batch(url, batch, args.max_tokens, 0.0, client, s.concurrency)
+                for _ in range(args.runs)]
     info = httpx.get(url + "/get_server_info", timeout=60,
                      headers={"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}).json()
     prof = info.get("profile", {})
@@ -163,6 +166,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--backends", default="gloo,shm")
     ap.add_argument("--spec", default="off,2/1/3,3/1/4", help="comma list: off or steps/topk/tokens")
     ap.add_argument("--concurrency", default="1")
+    ap.add_argument("--requests-per-client", type=int, default=4,
+                    help="at concurrency > 1, requests each client sends per run, the next as "
+                         "soon as the last is answered (1: one burst)")
     ap.add_argument("--prompts", help="file, one prompt per line (default: built-in)")
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--runs", type=int, default=3)

@@ -30,15 +30,14 @@ from typing import Any
 
 import httpx
 
-from tpserve.bench import DEFAULT_PROMPTS, new_client, run_batch
+from tpserve.bench import DEFAULT_PROMPTS, new_client, round_prompts, run_batch
 
 
 def one_round(client: httpx.Client, urls: dict[str, str], conc: int, tokens: int, flip: bool,
               first: int = 0, per_client: int = 1) -> dict[str, float]:
     """One batch on each server (``conc`` clients, ``per_client`` requests each); tok/s per
     server and, under ``seconds``, the wall times."""
-    count = conc * per_client
-    prompts = [DEFAULT_PROMPTS[(first + k) % len(DEFAULT_PROMPTS)] for k in range(count)]
+    prompts = round_prompts(DEFAULT_PROMPTS, conc, per_client, first)
     order = list(urls.items())[::-1] if flip else list(urls.items())
     out: dict[str, float] = {}
     for name, url in order:
@@ -84,10 +83,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     report: dict[str, Any] = {}
     with new_client() as client:
         for conc in (int(c) for c in args.concurrency.split(",")):
-            per = 1 if conc == 1 else max(1, args.requests_per_client)
+            per = args.requests_per_client
             for i in range(args.warmup):
                 one_round(client, urls, conc, args.max_tokens, i % 2 == 1, 0, per)
-            firsts = [0 if args.same_prompts else i * conc * per for i in range(args.rounds)]
+            count = len(round_prompts(DEFAULT_PROMPTS, conc, per))  # requests a round
+            firsts = [0 if args.same_prompts else i * count for i in range(args.rounds)]
             rounds = [one_round(client, urls, conc, args.max_tokens, i % 2 == 1, first, per)
                       for i, first in enumerate(firsts)]
             row = {"plain_tok_s": statistics.median(r["plain"] for r in rounds),

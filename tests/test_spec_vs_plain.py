@@ -60,3 +60,11 @@ def test_a_round_at_higher_concurrency_is_a_closed_loop_of_clients(
     svp.main(["--plain", "http://plain", "--spec", "http://spec", "--concurrency", "8",
               "--rounds", "2", "--warmup", "0", "--requests-per-client", "1"])
     assert calls == [(8, 8)] * 4
+
+
+def test_round_prompts_cycle_and_a_lone_client_sends_one() -> None:
+    from tpserve.bench import round_prompts
+
+    assert round_prompts(["a", "b", "c"], 2, 4, first=1) == ["b", "c", "a"] * 2 + ["b", "c"]
+    assert round_prompts(["a", "b", "c"], 1, 4, first=2) == ["c"]
+    assert round_prompts(["a", "b"], 3, 0) == ["a", "b", "a"]

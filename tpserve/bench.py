@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 
@@ -52,6 +53,15 @@ def one_request(client: httpx.Client, url: str, prompt: str, max_tokens: int,
     meta = r.json()["meta_info"]
     return RunResult(meta["completion_tokens"], time.perf_counter() - start, meta["prompt_tokens"],
                      meta.get("spec_accept_length"))
+
+
+def round_prompts(prompts: Sequence[str], clients: int, per_client: int, first: int = 0
+                  ) -> list[str]:
+    """The prompts of one round of ``clients`` closed-loop clients sending ``per_client``
+    requests each (one request at a single client: a lone stream's round is one request),
+    cycling through ``prompts`` from ``first``."""
+    count = clients * (1 if clients == 1 else max(1, per_client))
+    return [prompts[(first + k) % len(prompts)] for k in range(count)]
 
 
 def run_batch(url: str, prompts: list[str], max_tokens: int, temperature: float,
