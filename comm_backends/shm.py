@@ -377,7 +377,9 @@ class ShmAllReduce(AllReduce):
                       for r in range(rows) for k in range(world)]
             return exchange_plan(self._cboard, [], [], gather, None, 0, 0, out.dtype)
 
-        return self._cache(("gather", views.mine.data_ptr(), out.shape), build)
+        # The dtype too: both dtypes of one shape start at the same address of a half, and
+        # a float32 plan serving bfloat16 rows copied twice their bytes past ``out``'s end.
+        return self._cache(("gather", views.mine.data_ptr(), out.shape, out.dtype), build)
 
     def _single_round_views(self, tensor: torch.Tensor, nbytes: int) -> _OneShot | _TwoShot | None:
         """Views for a message that fits one chunk, cached under the hot path's key; None if

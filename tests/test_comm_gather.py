@@ -45,7 +45,10 @@ def _scenario_gather(rank: int, world: int) -> dict[str, Any]:
     checked = 0
     for name, backend in backends.items():
         for i, shape in enumerate(SHAPES):
-            for dtype in (torch.float32, torch.bfloat16):
+            # Twice per dtype: gathers alternate between the segment's two halves, and a plan
+            # cached for one dtype at a half must not serve the other dtype of the same shape
+            # there (it did: its rows were twice as long, written past the end of ``out``).
+            for dtype in (torch.float32, torch.float32, torch.bfloat16, torch.bfloat16):
                 inputs = _inputs(world, shape, dtype, 100 * i + 7)
                 out = backend.all_gather(inputs[rank].clone())
                 expected = torch.cat(inputs, dim=-1)
@@ -56,7 +59,7 @@ def _scenario_gather(rank: int, world: int) -> dict[str, Any]:
         # Interleaved with allreduces of the same shapes: both share the segment's rounds.
         x = torch.full((32, 1024), float(rank + 1))
         assert torch.equal(backend.all_reduce(x), torch.full((32, 1024), world * (world + 1) / 2))
-        assert backend.stats.gathers == len(SHAPES) * 2
+        assert backend.stats.gathers == len(SHAPES) * 4
         backend.close()
     return {"checked": checked}
 
@@ -64,7 +67,7 @@ def _scenario_gather(rank: int, world: int) -> dict[str, Any]:
 @pytest.mark.parametrize("world", [2, 3])
 def test_all_gather_concatenates_exactly(world: int, tmp_path: Path) -> None:
     results = run_world(world, _scenario_gather, tmp_path)
-    assert all(r["checked"] == 4 * len(SHAPES) * 2 for r in results.values())
+    assert all(r["checked"] == 4 * len(SHAPES) * 4 for r in results.values())
 
 
 def test_world_of_one_returns_the_input() -> None:
