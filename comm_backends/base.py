@@ -103,8 +103,9 @@ class StackExchange:
     returning to Python (tpserve's native decoder stack reduces between layer halves): the C
     function ``int32_t fn(const void *plan, char *x, int64_t seq, int64_t timeout_ns,
     const int32_t *pids)`` (0: done), the plans of even and odd calls, the first call's
-    sequence number, each call's rounds (call i uses seq + i * rounds), the timeout and an
-    int32 array of every rank's pid. Afterwards the caller reports the calls it made
+    sequence number, each call's rounds (call i uses seq + i * rounds), the timeout, an
+    int32 array of every rank's pid, and the address of an int64 the caller adds each call's
+    nanoseconds to (0: none). Afterwards the caller reports the calls it made
     (``AllReduce.stack_exchanged``) or that it failed midway (``stack_failed``)."""
 
     fn: int
@@ -113,12 +114,14 @@ class StackExchange:
     rounds: int
     timeout_ns: int
     pids: int
+    clock: int = 0
     # The objects behind the addresses (plans, pid array), alive while the caller runs.
     keep: tuple[object, ...] = field(default=(), compare=False, repr=False)
 
     def args(self) -> list[int]:
-        """The op argument: [fn, even plan, odd plan, seq, rounds, timeout_ns, pids]."""
-        return [self.fn, *self.plans, self.seq, self.rounds, self.timeout_ns, self.pids]
+        """The op argument: [fn, even plan, odd plan, seq, rounds, timeout_ns, pids, clock]."""
+        return [self.fn, *self.plans, self.seq, self.rounds, self.timeout_ns, self.pids,
+                self.clock]
 
 
 class AllReduce(ABC):
@@ -220,7 +223,7 @@ class AllReduce(ABC):
 
     def stack_exchanged(self, ex: StackExchange, calls: int, nbytes: int) -> None:
         """``calls`` allreduces of ``nbytes`` each ran natively with ``ex``: counted in the
-        statistics (not timed: they ran inside the caller's op)."""
+        statistics, with the time the caller added up at ``ex.clock``."""
         raise NotImplementedError
 
     def stack_failed(self, why: str) -> None:

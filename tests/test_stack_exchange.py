@@ -54,9 +54,11 @@ def _forwards(bias: bool) -> dict[str, Any]:
                 for p in model.parameters():
                     p.mul_(1 + 0.25 * rank)
             before = (backend.stats.calls, backend.stats.bytes)
+            seconds = backend.stats.seconds
             result = _run(model, fb, kv, (1,), True)
             counted = (backend.stats.calls - before[0], backend.stats.bytes - before[1])
             out[label] = (result, counted, comm.stacked)
+            out[f"{label}_seconds"] = backend.stats.seconds - seconds
         # One plain allreduce after the native calls: the sequence numbers still agree.
         out["after"] = backend.all_reduce(torch.full((4,), float(rank + 1))).tolist()
     finally:
@@ -76,6 +78,8 @@ def test_native_stack_reduces_like_the_per_layer_path(bias: bool) -> None:
     # Layers 0 and 1..2 (the aux split): two reductions a layer, counted either way.
     assert stacked == 2 * LAYERS and stacked_pl == 0
     assert calls == calls_pl  # (calls, bytes): counted alike
+    # Timed alike too: the native calls add up their own time (they were counted at 0 s).
+    assert got["native_seconds"] > 0 and got["per_layer_seconds"] > 0, got
     assert got["after"] == [3.0] * 4
 
 

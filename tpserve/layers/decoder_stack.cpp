@@ -30,6 +30,7 @@
 
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/ops/add.h>
+#include <chrono>
 
 namespace {
 
@@ -139,8 +140,10 @@ at::Tensor required(const c10::List<std::optional<at::Tensor>> &w, int64_t i, co
 
 // A tensor-parallel rank's allreduce between layer halves, run by the `shm` backend's compiled
 // exchange (comm_backends/base.py's StackExchange): `ex` = [fn, even plan, odd plan, first
-// seq, rounds per call, timeout ns, pids]. In place, then the row-parallel bias once (as
-// fused_decoder.py's _reduced adds it after comm.all_reduce: the same bits).
+// seq, rounds per call, timeout ns, pids, clock]. In place, then the row-parallel bias once (as
+// fused_decoder.py's _reduced adds it after comm.all_reduce: the same bits). `clock`, where
+// not 0, is the address of an int64 each call adds its nanoseconds to: the backend's
+// statistics time these allreduces too (the profiler's allreduce ms left them out).
 class StackReduce {
   public:
     explicit StackReduce(c10::IntArrayRef ex) : ex_(ex) {}
@@ -151,10 +154,15 @@ class StackReduce {
                     "tpserve::decoder_layers: a partial sum to reduce must be contiguous CPU");
         const int64_t i = calls_++;
         const auto fn = reinterpret_cast<Fn>(ex_[0]);
+        const auto start = std::chrono::steady_clock::now();
         const int32_t status =
             fn(reinterpret_cast<const void *>(ex_[1 + (i & 1)]),
                static_cast<char *>(partial.data_ptr()), ex_[3] + i * ex_[4], ex_[5],
                reinterpret_cast<const int32_t *>(ex_[6]));
+        if (ex_[7] != 0)
+            *reinterpret_cast<int64_t *>(ex_[7]) +=
+                std::chrono::duration_cast<std::chrono::nanoseconds>(
+                    std::chrono::steady_clock::now() - start).count();
         TORCH_CHECK(status == 0, "tpserve::decoder_layers: allreduce ", i, " failed: ",
                     status == -1 ? "a peer stopped" : status == -2 ? "timed out waiting for a peer"
                                                     : "a peer's process is gone");
@@ -166,7 +174,7 @@ class StackReduce {
     int64_t calls_ = 0;
 };
 
-constexpr int64_t kStackExchangeArgs = 7;
+constexpr int64_t kStackExchangeArgs = 8;
 
 // Without `exchange` (one rank): the layers as a single rank computes them. With it (a
 // tensor-parallel rank): o_proj and down_proj give this rank's partial sums, reduced across
