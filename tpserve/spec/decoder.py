@@ -44,15 +44,22 @@ def tokens_left(req: Request) -> int:
     return req.params.max_new_tokens - len(req.output_ids)
 
 
+def first_chunk(req: Request) -> bool:
+    """Whether this step feeds ``req``'s first chunk since its admission."""
+    return req.num_cached == req.cached_prefix
+
+
+def fed_this_step(req: Request, pending: Mapping[int, Any], follow_new: bool) -> bool:
+    """Whether the draft follows ``req`` through this step: a request at its first chunk
+    where new ones are followed (``follow_new``), any other one the draft holds rows for."""
+    return follow_new if first_chunk(req) else request_key(req) in pending
+
+
 def spec_blocked(reqs: Sequence[Request], pending: Mapping[int, Any], follow_new: bool) -> int:
-    """Most plain steps before none of ``reqs`` is one the draft does not follow (a request
-    prefilling now counts as followed where ``follow_new``): no step speculates before."""
-    left = 0
-    for req in reqs:
-        new = req.num_cached == req.cached_prefix
-        if (not follow_new if new else request_key(req) not in pending):
-            left = max(left, tokens_left(req))
-    return left
+    """Most plain steps before none of ``reqs`` is one the draft does not follow
+    (``fed_this_step``): no step speculates before."""
+    return max((tokens_left(r) for r in reqs if not fed_this_step(r, pending, follow_new)),
+               default=0)
 
 
 def argmax_accepts(req: Request) -> bool:
@@ -180,12 +187,12 @@ class SpecDecoder:
         rows, fresh, defer = [], [], []
         for b, (req, q) in enumerate(zip(reqs, q_lens, strict=True)):
             key = request_key(req)
-            new = req.num_cached == req.cached_prefix
-            held = None if new else pending.get(key)
+            new = first_chunk(req)
             if new and key in pending:
                 drop.add(key)  # a re-admitted request, or a finished one's reused id
-            if new and not follow_new or not new and held is None:
+            if not fed_this_step(req, pending, follow_new):
                 continue
+            held = None if new else pending[key]
             late = not new and not self.enabled and q == 1
             if late and held is not None and (release or len(held) >= MAX_DEFERRED):
                 if blocked is None:
