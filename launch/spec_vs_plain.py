@@ -30,7 +30,7 @@ from typing import Any
 
 import httpx
 
-from tpserve.bench import DEFAULT_PROMPTS, new_client, round_prompts, run_batch
+from tpserve.bench import DEFAULT_PROMPTS, new_client, round_prompts, round_size, run_batch
 
 
 def one_round(client: httpx.Client, urls: dict[str, str], conc: int, tokens: int, flip: bool,
@@ -86,7 +86,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             per = args.requests_per_client
             for i in range(args.warmup):
                 one_round(client, urls, conc, args.max_tokens, i % 2 == 1, 0, per)
-            count = len(round_prompts(DEFAULT_PROMPTS, conc, per))  # requests a round
+            count = round_size(conc, per)
             firsts = [0 if args.same_prompts else i * count for i in range(args.rounds)]
             rounds = [one_round(client, urls, conc, args.max_tokens, i % 2 == 1, first, per)
                       for i, first in enumerate(firsts)]

@@ -55,13 +55,17 @@ def one_request(client: httpx.Client, url: str, prompt: str, max_tokens: int,
                      meta.get("spec_accept_length"))
 
 
+def round_size(clients: int, per_client: int) -> int:
+    """Requests in one round of ``clients`` closed-loop clients sending ``per_client`` each
+    (one at a single client: a lone stream's round is one request)."""
+    return clients * (1 if clients == 1 else max(1, per_client))
+
+
 def round_prompts(prompts: Sequence[str], clients: int, per_client: int, first: int = 0
                   ) -> list[str]:
-    """The prompts of one round of ``clients`` closed-loop clients sending ``per_client``
-    requests each (one request at a single client: a lone stream's round is one request),
-    cycling through ``prompts`` from ``first``."""
-    count = clients * (1 if clients == 1 else max(1, per_client))
-    return [prompts[(first + k) % len(prompts)] for k in range(count)]
+    """The prompts of one such round (``round_size``), cycling through ``prompts`` from
+    ``first``."""
+    return [prompts[(first + k) % len(prompts)] for k in range(round_size(clients, per_client))]
 
 
 def run_batch(url: str, prompts: list[str], max_tokens: int, temperature: float,
