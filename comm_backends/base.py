@@ -115,7 +115,7 @@ class StackExchange:
     timeout_ns: int
     pids: int
     clock: int = 0
-    # The objects behind the addresses (plans, pid array), alive while the caller runs.
+    # The objects behind the addresses (plans, pid array, clock), alive while the caller runs.
     keep: tuple[object, ...] = field(default=(), compare=False, repr=False)
 
     def args(self) -> list[int]:

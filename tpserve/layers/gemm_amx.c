@@ -163,7 +163,7 @@ static void amx_group(const uint16_t *w, int64_t ldw, const uint16_t *xb, int nb
         if (n > 2) AMX_DOT(2, 6);
         if (n > 3) AMX_DOT(3, 7);
     }
-    /* One x row: each sum tile's 16 outputs land side by side (amx_store_row). */
+    /* One x row: each sum tile's 16 outputs land side by side (stored by store_bf16). */
     const int stride = nb == 1 ? 4 : 64;
     _tile_stored(0, sums[0], stride);
     if (n > 1) _tile_stored(1, sums[1], stride);
