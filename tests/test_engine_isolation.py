@@ -26,7 +26,10 @@ def _requests(top_ks: list[int]) -> tuple[list[Any], dict[str, RequestOutput]]:
     finals: dict[str, RequestOutput] = {}
     reqs = []
     for i, (prompt, top_k) in enumerate(zip(PROMPTS, top_ks, strict=True)):
-        params = SamplingParams(max_new_tokens=6, temperature=0.0, top_k=top_k, ignore_eos=True)
+        # A top log-probability asked: greedy steps then sample from the logits (without,
+        # the head picks them natively and the sampler never runs).
+        params = SamplingParams(max_new_tokens=6, temperature=0.0, top_k=top_k, ignore_eos=True,
+                                logprobs=1)
         req = make_request(f"r{i}", prompt, params)
         req.emit = lambda out, f=finals: f.__setitem__(out.rid, out) if out.finished else None
         reqs.append(req)

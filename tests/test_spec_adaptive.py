@@ -253,9 +253,9 @@ class AuxSpy:
         self.calls: list[bool] = []
         inner = runner.forward  # type: ignore[attr-defined]
 
-        def forward(step, rows, aux_layers=(), host_work=None):  # type: ignore[no-untyped-def]
+        def forward(step, rows, aux_layers=(), host_work=None, greedy=False):  # type: ignore[no-untyped-def]
             self.calls.append(bool(aux_layers))
-            return inner(step, rows, aux_layers, host_work=host_work)
+            return inner(step, rows, aux_layers, host_work=host_work, greedy=greedy)
 
         runner.forward = forward  # type: ignore[attr-defined]
 

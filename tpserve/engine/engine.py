@@ -42,7 +42,7 @@ from tpserve.engine.messages import (
 from tpserve.engine.profiler import StepProfiler, TraceCapture
 from tpserve.engine.request import Request
 from tpserve.engine.runner import ModelRunner
-from tpserve.engine.sampler import apply_min_tokens, apply_penalties, sample
+from tpserve.engine.sampler import apply_min_tokens, apply_penalties, argmax_pick, sample
 from tpserve.engine.scheduler import ScheduledBatch, Scheduler
 from tpserve.spec.adaptive import OFF
 from tpserve.spec.decoder import Decision, SpecDecoder
@@ -53,6 +53,13 @@ log = logging.getLogger(__name__)
 
 # (request, tokens to append, their (token, logprob, top) entries or None)
 Output = tuple[Request, list[int], list[Any] | None]
+
+
+def picked(reqs: list[Request], picks: tuple[list[int], list[float]]
+           ) -> list[tuple[Request, tuple[int, Any]]]:
+    """What ``Engine._sample`` returns, from a step's greedy picks (``ForwardOutput.picks``)."""
+    tokens, logprobs = picks
+    return [(r, (t, (t, lp, None))) for r, t, lp in zip(reqs, tokens, logprobs, strict=True)]
 
 
 @dataclass
@@ -299,8 +306,9 @@ class Engine:
         """A plain step: (tokens appended, whether it fed the draft; the chooser times
         unfollowed plain steps apart)."""
         prof = self.profiler
+        sampling = [r for r, s in zip(batch.requests, batch.samples()) if s]
         with prof.phase("plan"):
-            msg = self.scheduler.plan(batch)
+            msg = replace(self.scheduler.plan(batch), greedy=self._picks_greedy(sampling))
             if self.spec is not None:
                 msg = replace(msg, feed=self.spec.draft_feed(batch.requests, self._live(),
                                                               batch.q_lens, self.follow_new,
@@ -314,13 +322,24 @@ class Engine:
         if self.adaptive is not None and self.spec is not None:
             self.adaptive.record("feed", self.spec.feed_seconds)
         with prof.phase("sample"):
-            sampling = [r for r, s in zip(batch.requests, batch.samples()) if s]
-            sampled = self._sample(sampling, out.logits) if sampling else []
+            if out.picks is not None:
+                sampled = picked(sampling, out.picks)
+            else:
+                assert out.logits is not None  # a step without picks returns logits
+                sampled = self._sample(sampling, out.logits) if sampling else []
         with prof.phase("output"):
             for req, q in zip(batch.requests, batch.q_lens):
                 req.num_cached += q
             appended = self._commit([(req, [tok], [lp]) for req, (tok, lp) in sampled])
         return appended, msg.feed is not None and len(msg.feed.rows) > 0
+
+    def _picks_greedy(self, sampling: list[Request]) -> bool:
+        """Whether the ranks pick this plain step's tokens in their vocab shards
+        (``ModelRunner.picks_greedy``): every sampled request takes the argmax and asks for
+        no top log-probabilities, which is all the full logits would serve."""
+        return (self.runner.picks_greedy and bool(sampling)
+                and all(argmax_pick(r.params, len(r.output_ids)) and not r.params.logprobs
+                        for r in sampling))
 
     def _spec_step(self, batch: ScheduledBatch) -> int:
         """Draft + verify on every rank, acceptance here, then the same commit on all."""

@@ -44,7 +44,7 @@ def run_forward(runner: ModelRunner, spec: SpecDecoder | None, step: ForwardStep
         if spec is None:
             raise RuntimeError("a step fed the draft, but this rank has no draft model")
         return spec.feed(step, host_work)
-    return runner.forward(step, step.logit_rows, host_work=host_work)
+    return runner.forward(step, step.logit_rows, host_work=host_work, greedy=step.greedy)
 
 
 def tag_allreduces(comm: CommSwitch | None) -> PhaseScope:

@@ -53,6 +53,10 @@ class ForwardStep:
     page_table: np.ndarray  # [B, P] int32: page ids covering cached + q_len tokens
     logit_rows: np.ndarray  # [K] int64: rows of token_ids whose logits are sampled
     feed: DraftFeed | None = None  # set when a draft model is loaded
+    # Every sampled row is a plain greedy pick (``sampler.argmax_pick``, no log-probabilities
+    # asked): the ranks exchange their vocab shards' picks, not the logits
+    # (``ModelRunner.picks_greedy``).
+    greedy: bool = False
 
 
 @dataclass(frozen=True)

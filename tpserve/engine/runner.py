@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from tpserve.dist import CommSwitch
-from tpserve.engine.forward_batch import HostWork
+from tpserve.engine.forward_batch import ForwardBatch, HostWork
 from tpserve.engine.kv_cache import KVCache
 from tpserve.engine.plan import BatchLayout, build_forward_batch
 from tpserve.engine.static_forward import StaticExecutor, StaticForward, decode_forward, run_static
@@ -24,9 +24,14 @@ from tpserve.engine.step_threads import StepThreads
 
 @dataclass
 class ForwardOutput:
-    logits: torch.Tensor  # [len(logit_rows), V] float32, identical on every rank
-    hidden: torch.Tensor  # [N, H] final-normed hidden states, one row per fed token
+    logits: torch.Tensor | None  # [len(logit_rows), V] float32, identical on every rank
+    # [N, H] final-normed hidden states, one row per fed token (None where a greedy step's
+    # head ran natively: nothing reads a plain step's hidden states)
+    hidden: torch.Tensor | None
     aux: list[torch.Tensor]
+    # A greedy step's (tokens, float32 log-probabilities), one per logit row, instead of the
+    # logits (``ModelRunner.forward``'s ``greedy``), identical on every rank.
+    picks: tuple[list[int], list[float]] | None = None
 
 
 class ModelRunner:
@@ -42,10 +47,19 @@ class ModelRunner:
         self.graph_info: dict[str, Any] = {}  # capture/compile report for server info
         self.threads = StepThreads.for_device(device)
 
+    @property
+    def picks_greedy(self) -> bool:
+        """Whether a step may ask ``forward`` for greedy picks instead of logits: the model's
+        head picks natively (``DecoderLM.picks_greedy``) and steps run eagerly (a captured
+        or compiled decode returns logits)."""
+        return self.static is None and bool(getattr(self.model, "picks_greedy", False))
+
     @torch.inference_mode()
     def forward(self, step: BatchLayout, logit_rows: Any, aux_layers: tuple[int, ...] = (),
-                host_work: Callable[[], None] | None = None) -> ForwardOutput:
-        """Run ``step``; logits only for ``logit_rows`` (rows of the ragged batch).
+                host_work: Callable[[], None] | None = None,
+                greedy: bool = False) -> ForwardOutput:
+        """Run ``step``; logits only for ``logit_rows`` (rows of the ragged batch), or with
+        ``greedy`` (only where ``picks_greedy``) those rows' greedy picks.
         ``host_work`` runs once during the forward (``HostWork``)."""
         self.threads.fit(len(step.token_ids))
         batch = build_forward_batch(step, self.page_size, self.device)
@@ -53,6 +67,8 @@ class ModelRunner:
         if self.static is not None:
             work.run()  # a compiled run or a graph replay has no Python inside to run it
         try:
+            if greedy:
+                return self._pick(batch, logit_rows, aux_layers)
             if batch.queries == 1 and not aux_layers:
                 logits, hidden = run_static(self.static, self.decode_forward, batch, {})
                 if self.static is None and every_row(logit_rows, logits.shape[0]):
@@ -66,6 +82,20 @@ class ModelRunner:
             return ForwardOutput(logits=logits, hidden=hidden, aux=aux)
         finally:
             work.run()  # a model that never started it
+
+    def _pick(self, batch: ForwardBatch, logit_rows: Any, aux_layers: tuple[int, ...]
+              ) -> ForwardOutput:
+        """A greedy step: the picks of ``logit_rows``, natively from the layer stack on where
+        the model can (``forward_picks``)."""
+        rows = None if every_row(logit_rows, batch.num_rows) else self._rows(logit_rows)
+        native = getattr(self.model, "forward_picks", None)
+        out = native(batch, self.kv.layers, aux_layers, rows) if native is not None else None
+        if out is not None:
+            return ForwardOutput(logits=None, hidden=None, aux=out[1], picks=out[0])
+        hidden, aux = self.model(batch, self.kv.layers, aux_layers)
+        picked = hidden if rows is None else hidden.index_select(0, rows)
+        return ForwardOutput(logits=None, hidden=hidden, aux=aux,
+                             picks=self.model.greedy_picks(picked))
 
     def _rows(self, logit_rows: Any) -> torch.Tensor:
         return torch.as_tensor(logit_rows, dtype=torch.long).to(self.device)

@@ -105,6 +105,13 @@ def apply_min_tokens(
     return out
 
 
+def argmax_pick(params: SamplingParams, generated: int) -> bool:
+    """Whether a row's token is the argmax of its raw logits, for a request that has
+    ``generated`` tokens: greedy, no penalty or bias, no ``min_new_tokens`` still due (what
+    speculative acceptance and the ranks' sharded greedy picks rely on)."""
+    return params.greedy and not params.uses_penalties and params.min_new_tokens <= generated
+
+
 def _column(values: list[float], like: Tensor) -> Tensor:
     return torch.tensor(values, dtype=like.dtype, device=like.device).unsqueeze(1)
 

@@ -682,3 +682,5 @@ TORCH_LIBRARY_IMPL(tpserve, CPU, m) {
 #include "decoder_stack.cpp"
 // The EAGLE-3 draft's tree loop as one op (uses the layer halves above).
 #include "draft_tree.cpp"
+// Greedy picks in each rank's vocabulary shard (uses decoder_stack.cpp's exchange).
+#include "vocab_pick.cpp"

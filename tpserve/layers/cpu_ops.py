@@ -37,7 +37,8 @@ _SOURCE = Path(__file__).with_name("cpu_ops.cpp")
 _DEPENDS = tuple(Path(__file__).parent / n
                  for n in ("gemm.c", "gemm_tiles.c", "gemm_amx.c", "gemm_pool.c", "pool_readahead.c", "half.h",
                            "fused.c", "argmax.c", "logsumexp.c", "silu_mul.c",
-                           "attention/attn_simd.h", "decoder_stack.cpp", "draft_tree.cpp"))
+                           "attention/attn_simd.h", "decoder_stack.cpp", "draft_tree.cpp",
+                           "vocab_pick.cpp"))
 
 
 def _cxx_flags() -> list[str]:

@@ -138,20 +138,21 @@ at::Tensor required(const c10::List<std::optional<at::Tensor>> &w, int64_t i, co
     return *t;
 }
 
-// A tensor-parallel rank's allreduce between layer halves, run by the `shm` backend's compiled
-// exchange (comm_backends/base.py's StackExchange): `ex` = [fn, even plan, odd plan, first
+// A tensor-parallel rank's allreduce from native code (between layer halves; vocab_pick.cpp's
+// picks), run by the `shm` backend's compiled exchange (comm_backends/base.py's StackExchange): `ex` = [fn, even plan, odd plan, first
 // seq, rounds per call, timeout ns, pids, clock]. In place, then the row-parallel bias once (as
 // fused_decoder.py's _reduced adds it after comm.all_reduce: the same bits). `clock`, where
 // not 0, is the address of an int64 each call adds its nanoseconds to: the backend's
 // statistics time these allreduces too (the profiler's allreduce ms left them out).
 class StackReduce {
   public:
-    explicit StackReduce(c10::IntArrayRef ex) : ex_(ex) {}
+    explicit StackReduce(c10::IntArrayRef ex, const char *op = "tpserve::decoder_layers")
+        : ex_(ex), op_(op) {}
 
     at::Tensor operator()(const at::Tensor &partial, const std::optional<at::Tensor> &bias) {
         using Fn = int32_t (*)(const void *, char *, int64_t, int64_t, const int32_t *);
         TORCH_CHECK(partial.is_contiguous() && partial.device().is_cpu(),
-                    "tpserve::decoder_layers: a partial sum to reduce must be contiguous CPU");
+                    op_, ": a partial sum to reduce must be contiguous CPU");
         const int64_t i = calls_++;
         const auto fn = reinterpret_cast<Fn>(ex_[0]);
         const auto start = std::chrono::steady_clock::now();
@@ -163,7 +164,7 @@ class StackReduce {
             *reinterpret_cast<int64_t *>(ex_[7]) +=
                 std::chrono::duration_cast<std::chrono::nanoseconds>(
                     std::chrono::steady_clock::now() - start).count();
-        TORCH_CHECK(status == 0, "tpserve::decoder_layers: allreduce ", i, " failed: ",
+        TORCH_CHECK(status == 0, op_, ": allreduce ", i, " failed: ",
                     status == -1 ? "a peer stopped" : status == -2 ? "timed out waiting for a peer"
                                                     : "a peer's process is gone");
         return bias.has_value() ? at::add(partial, *bias) : partial;
@@ -171,6 +172,7 @@ class StackReduce {
 
   private:
     c10::IntArrayRef ex_;
+    const char *op_;
     int64_t calls_ = 0;
 };
 

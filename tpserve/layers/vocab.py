@@ -1,7 +1,8 @@
 """Vocab-parallel embedding and LM head: each rank holds a contiguous slice of the vocab.
 
 The vocab is padded up to a multiple of the TP size; padded rows are zero in the embedding
-and produce logits that are trimmed off after the gather.
+and produce logits that are trimmed off after the gather (or never looked at, where the
+ranks exchange their shards' greedy picks instead: ``ParallelLMHead.greedy``).
 """
 
 from __future__ import annotations
@@ -12,8 +13,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tpserve.layers import cpu_ops
 from tpserve.layers.linear import _param, copy_into, linear
 from tpserve.layers.tp import TPContext
+
+# A shard's pick travels as float32 (its token id among them): exact below 2**24 ids.
+PICK_EXACT_IDS = 1 << 24
 
 
 class VocabShard(nn.Module):
@@ -83,3 +88,39 @@ class ParallelLMHead(VocabShard):
         local = linear(hidden, self.weight).float()
         full = self.tp.comm.all_gather(local)
         return full[..., : self.vocab]
+
+    @property
+    def picks_greedy(self) -> bool:
+        """Whether ``greedy`` applies: a CPU head with the native ops, ids a float32 carries
+        exactly."""
+        return (self.weight.device.type == "cpu" and self.per_rank * self.tp.size <= PICK_EXACT_IDS
+                and cpu_ops.load().impl == "c++")
+
+    def greedy(self, hidden: torch.Tensor, norm: tuple[torch.Tensor, float] | None = None
+               ) -> tuple[list[int], list[float]]:
+        """Each row's greedy token and its log-softmax value: at one rank the bits of
+        ``fused.greedy_logprob`` over ``forward``'s logits; over several, each rank picks in
+        its own vocab shard and the ranks exchange 12 bytes a row instead of the logits (the
+        log-probability then equal up to rounding of the log-sum-exp). ``norm``: the final
+        norm's (weight, eps), applied here (``hidden`` not normed yet). See
+        ``vocab_pick.cpp``; on ``shm`` the exchange runs inside its native call."""
+        tp, comm = self.tp, self.tp.comm
+        weight, eps = norm if norm is not None else (None, 0.0)
+        picks = torch.ops.tpserve.shard_pick(hidden, weight, eps, self.weight,
+                                             max(0, self.end - self.start), self.start,
+                                             tp.rank, tp.size)
+        ex = None
+        if tp.size > 1:
+            stack = getattr(comm, "stack_exchange", None)
+            ex = stack(picks.dtype, picks.shape) if stack is not None else None
+            if ex is None:
+                picks = comm.all_reduce(picks)  # zeros but one rank's fields: an all-gather
+        try:
+            tokens, logprobs = torch.ops.tpserve.combine_picks(picks, ex.args() if ex else [])
+        except RuntimeError as exc:
+            if ex is not None:
+                comm.stack_failed(str(exc))
+            raise
+        if ex is not None:
+            comm.stack_exchanged(ex, 1, picks.nbytes)
+        return tokens.tolist(), logprobs.tolist()

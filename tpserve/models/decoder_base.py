@@ -77,6 +77,18 @@ class DecoderLM(nn.Module):
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)
 
+    @property
+    def picks_greedy(self) -> bool:
+        """Whether ``greedy_picks`` is what greedy sampling from ``logits`` would pick: the
+        plain head (a model that scales or caps its logits overrides ``logits``) with the
+        native picks (``ParallelLMHead.picks_greedy``)."""
+        return type(self).logits is DecoderLM.logits and self.lm_head.picks_greedy
+
+    def greedy_picks(self, hidden: torch.Tensor) -> tuple[list[int], list[float]]:
+        """(tokens, log-probabilities) of greedy picks from final-normed ``hidden`` rows,
+        without the logits leaving native code (``ParallelLMHead.greedy``)."""
+        return self.lm_head.greedy(hidden)
+
     def ignored_checkpoint_tensor(self, name: str) -> bool:
         """Tensors a checkpoint may hold that this model never loads: multi-token-prediction
         layers (``model.layers.{i}`` with i >= num_hidden_layers, DeepSeek-V3 / Kimi-K2)."""

@@ -19,6 +19,7 @@ import numpy as np
 from tpserve.engine.messages import DraftFeed, ForwardStep, SpecCommit, SpecSettings, SpecStep
 from tpserve.engine.request import Request
 from tpserve.engine.runner import ForwardOutput
+from tpserve.engine.sampler import argmax_pick
 from tpserve.spec.config import SpecConfig
 from tpserve.spec.drafter import Drafter, Guess, PhaseScope, Verified
 from tpserve.spec.stats import SpecStats, record_request
@@ -65,8 +66,7 @@ def spec_blocked(reqs: Sequence[Request], pending: Mapping[int, Any], follow_new
 def argmax_accepts(req: Request) -> bool:
     """Whether ``accept`` takes ``req``'s path from the raw verify logits' argmax alone
     (``node_logits`` leaves its rows untouched and no generator is drawn)."""
-    p = req.params
-    return p.greedy and not p.uses_penalties and p.min_new_tokens <= len(req.output_ids)
+    return argmax_pick(req.params, len(req.output_ids))
 
 
 def request_key(req: Request) -> int:

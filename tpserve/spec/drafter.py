@@ -231,8 +231,10 @@ class Drafter:
         self.forget(feed.drop)
         self.feed_seconds = 0.0
         if not len(feed.rows):
-            return self.runner.forward(step, step.logit_rows, host_work=host_work)
-        out = self.runner.forward(step, step.logit_rows, self.aux_sorted, host_work=host_work)
+            return self.runner.forward(step, step.logit_rows, host_work=host_work,
+                                       greedy=step.greedy)
+        out = self.runner.forward(step, step.logit_rows, self.aux_sorted, host_work=host_work,
+                                  greedy=step.greedy)
         start = time.perf_counter()
         self._feed_rows(step, feed, out)
         self.feed_seconds = time.perf_counter() - start
