@@ -8,7 +8,8 @@ import numpy as np
 import torch
 
 from tpserve.engine.messages import SpecStep
-from tpserve.spec.drafter import Ahead, Guess, held_pages, moved_slots, plan_fingerprint
+from tpserve.engine.plan import plan_fingerprint
+from tpserve.spec.drafter import Ahead, Guess, held_pages, moved_slots
 from tpserve.spec.tree import DraftTree
 
 

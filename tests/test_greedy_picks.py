@@ -4,11 +4,13 @@ sampling from the gathered logits: the same tokens, log-probabilities within rou
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
 import torch
 
+import tpserve.engine.engine as engine_module
 from tests.checkpoints import make_checkpoint
 from tests.spec_helpers import args_for, run_tp
 from tpserve.engine.sampling_params import SamplingParams
@@ -85,16 +87,23 @@ def test_an_empty_shard_never_wins() -> None:
     assert logprobs.item() == pytest.approx(torch.log_softmax(logits, -1)[0, 0].item(), abs=1e-6)
 
 
-def _generate(arg: tuple) -> tuple[list, int]:
+def _generate(arg: tuple) -> tuple[list, int, int]:
     """Greedy generation of a small batch: (per request (tokens, logprobs), how many times
-    rank 0's head picked). ``picks`` False: rank 0 never asks for picks (every rank then
-    gathers logits and rank 0 samples from them)."""
-    target, allreduce, picks = arg
-    engine = OfflineEngine(args_for(target, allreduce=allreduce))
+    rank 0's head picked, how many plans it sent as ``AsGuessed``). ``picks`` False: rank 0
+    never asks for picks (every rank then gathers logits and rank 0 samples from them)."""
+    target, allreduce, picks, *page = arg
+    engine = OfflineEngine(args_for(target, allreduce=allreduce, page_size=(page or [4])[0]))
     if engine.built.info.rank != 0:
         engine.follow()
-        return [], 0
-    head, calls = engine.engine.runner.model.lm_head, [0]
+        return [], 0, 0
+    head, calls, guessed = engine.engine.runner.model.lm_head, [0], [0]
+    confirm = engine_module.as_guessed
+
+    def counted_guess(plan: Any) -> Any:
+        guessed[0] += 1
+        return confirm(plan)
+
+    engine_module.as_guessed = counted_guess
     inner = head.greedy
 
     def counted(*args: object) -> tuple[list[int], list[float]]:
@@ -109,7 +118,8 @@ def _generate(arg: tuple) -> tuple[list, int]:
               for i in range(5)]
     outs = engine.generate(prompts, params)
     engine.close()
-    return [(o.output_ids, [lp for _, lp, _ in o.logprobs]) for o in outs], calls[0]
+    engine_module.as_guessed = confirm
+    return [(o.output_ids, [lp for _, lp, _ in o.logprobs]) for o in outs], calls[0], guessed[0]
 
 
 @pytest.fixture(scope="module")
@@ -121,9 +131,10 @@ def target(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def test_one_rank_picks_the_bits_sampling_from_the_logits_gives(target: Path) -> None:
     torch.set_num_threads(1)
-    ref, ref_calls = _generate((target, "gloo", False))
-    got, calls = _generate((target, "gloo", True))
+    ref, ref_calls, _ = _generate((target, "gloo", False))
+    got, calls, guessed = _generate((target, "gloo", True))
     assert ref_calls == 0 and calls >= 18  # the longest request's decode steps at least
+    assert guessed == 0  # no follower to tell
     assert got == ref
 
 
@@ -131,10 +142,19 @@ def test_one_rank_picks_the_bits_sampling_from_the_logits_gives(target: Path) ->
 def test_tp2_greedy_steps_pick_in_shards_and_match_the_logits_path(target: Path,
                                                                     allreduce: str) -> None:
     torch.set_num_threads(1)
-    ref, _ = _generate((target, "gloo", False))  # TP = 1, logits
-    picked, calls = run_tp(2, _generate, (target, allreduce, True))
-    gathered, gathered_calls = run_tp(2, _generate, (target, allreduce, False))
+    ref, _, _ = _generate((target, "gloo", False))  # TP = 1, logits
+    picked, calls, guessed = run_tp(2, _generate, (target, allreduce, True))
+    gathered, gathered_calls, _ = run_tp(2, _generate, (target, allreduce, False))
     assert gathered_calls == 0 and calls >= 18
+    # The follower ran some decode steps on its own guess (rank 0 confirming them), and the
+    # rest (prompt steps, requests finishing or taking a new page every 4 tokens) from rank
+    # 0's plan; with 16 tokens a page, more of them.
+    assert 0 < guessed < calls
+    paged, paged_calls, paged_guessed = run_tp(2, _generate, (target, allreduce, True, 16))
+    assert paged_calls >= 18 and paged_guessed > guessed
+    for (ids, lps), (p_ids, p_lps) in zip(picked, paged, strict=True):
+        # Attention rounds by page, hence not the very bits of 4-token pages.
+        assert p_ids == ids and p_lps == pytest.approx(lps, abs=1e-5)
     for (ids, lps), (ref_ids, ref_lps), (g_ids, g_lps) in zip(picked, ref, gathered,
                                                                 strict=True):
         assert ids == ref_ids == g_ids

@@ -9,6 +9,7 @@ import pytest
 
 from tpserve.engine.messages import (
     MESSAGE_TYPES,
+    AsGuessed,
     Committed,
     ConfigChange,
     DraftFeed,
@@ -44,7 +45,8 @@ MESSAGES = [
     ConfigChange(allreduce="shm"), ConfigChange(speculative=SpecSettings(True, 4, 2, 8)),
     ConfigChange(), Shutdown(),
     Committed(SpecCommit.of([[0, 1], [0]]), _forward(True)), Guessed(0xFFFFFFFF),
-    Guessed(3, np.array([[4, 5, 0]], dtype=np.int32)),
+    Guessed(3, np.array([[4, 5, 0]], dtype=np.int32)), AsGuessed(0xFFFFFFFF),
+    dataclasses.replace(_forward(False), greedy=True),
 ]
 
 
@@ -73,6 +75,7 @@ def test_every_kind_is_registered_and_compact() -> None:
                        np.zeros((32, 64), np.int32), np.arange(32))
     assert len(encode(step)) < 32 * (8 + 4 + 4 + 64 * 4 + 8) + 100
     assert len(encode(Guessed(7))) == 12  # what replaces a whole commit and plan
+    assert len(encode(AsGuessed(7))) == 11  # and a whole plain plan
 
 
 def test_spec_commit_paths_round_trip() -> None:

@@ -32,6 +32,7 @@ from tpserve.engine.finish import append_tokens, emit_progress, fail_request
 from tpserve.engine.follower import Channel, run_forward
 from tpserve.engine.messages import (
     Committed,
+    ForwardStep,
     Guessed,
     Shutdown,
     SpecCommit,
@@ -39,6 +40,7 @@ from tpserve.engine.messages import (
     StepMessage,
     encode,
 )
+from tpserve.engine.plain_guess import as_guessed, is_guess, next_step
 from tpserve.engine.profiler import StepProfiler, TraceCapture
 from tpserve.engine.request import Request
 from tpserve.engine.runner import ModelRunner
@@ -107,6 +109,9 @@ class Engine:
         # Requests whose output events the last plain step left for the next forward to send
         # (``_commit``, ``HostWork``).
         self._events: list[Request] = []
+        # The plain step every follower expects next (``plain_guess``): sent as ``AsGuessed``
+        # when the next plan is exactly it.
+        self._plain_guess: ForwardStep | None = None
 
     def submit(self, cmd: Command) -> None:
         self.inbox.put(cmd)
@@ -143,6 +148,9 @@ class Engine:
 
     def broadcast(self, msg: StepMessage) -> None:
         if self.channel is not None:
+            plain, self._plain_guess = self._plain_guess, None
+            if plain is not None and isinstance(msg, ForwardStep) and is_guess(msg, plain):
+                msg = as_guessed(msg)
             if self._held_commit is not None:
                 guess, self._held_guess = self._held_guess, None
                 if guess is not None and isinstance(msg, SpecStep) and guess.is_plan(msg):
@@ -319,6 +327,9 @@ class Engine:
         self._publish(msg)
         with self._phase(batch.kind):
             out = run_forward(self.runner, self.spec, msg, events)
+        if self.channel is not None and out.picks is not None:
+            # what the followers now expect
+            self._plain_guess = next_step(msg, out.picks[0], self.runner.page_size)
         if self.adaptive is not None and self.spec is not None:
             self.adaptive.record("feed", self.spec.feed_seconds)
         with prof.phase("sample"):

@@ -14,6 +14,7 @@ from typing import Any, Protocol
 from tpserve.dist import CommSwitch
 from tpserve.engine.admin import apply_change
 from tpserve.engine.messages import (
+    AsGuessed,
     Committed,
     ConfigChange,
     ForwardStep,
@@ -24,6 +25,8 @@ from tpserve.engine.messages import (
     StepMessage,
     decode,
 )
+from tpserve.engine.plain_guess import GuessMissed, next_step
+from tpserve.engine.plan import plan_fingerprint
 from tpserve.engine.runner import ForwardOutput, ModelRunner
 from tpserve.spec.decoder import SpecDecoder
 from tpserve.spec.drafter import PhaseScope
@@ -64,7 +67,9 @@ def receive(channel: Channel) -> StepMessage:
 def follow(runner: ModelRunner, channel: Channel, spec: SpecDecoder | None = None) -> None:
     """Non-zero ranks: execute messages until rank 0 sends ``Shutdown``."""
     scope = tag_allreduces(runner.comm)
-    msg: StepMessage | None = None  # a message that came bundled with the last commit
+    # A message already received: bundled with the last commit, or the one that ended a run
+    # of guessed plain steps (``run_guessed``).
+    msg: StepMessage | None = None
     while True:
         msg = receive(channel) if msg is None else msg
         if spec is not None and not isinstance(msg, SpecStep):
@@ -74,7 +79,8 @@ def follow(runner: ModelRunner, channel: Channel, spec: SpecDecoder | None = Non
         if runner.comm is not None:
             runner.comm.check()
         if isinstance(msg, ForwardStep):
-            run_forward(runner, spec, msg)
+            msg = run_guessed(runner, channel, msg, run_forward(runner, spec, msg))
+            continue
         elif isinstance(msg, SpecStep):
             if spec is None:
                 raise RuntimeError("a speculative step arrived, but this rank has no draft")
@@ -92,6 +98,48 @@ def follow(runner: ModelRunner, channel: Channel, spec: SpecDecoder | None = Non
         else:
             raise RuntimeError(f"unexpected step message {type(msg).__name__}")
         msg = None
+
+
+def run_guessed(runner: ModelRunner, channel: Channel, step: ForwardStep,
+                out: ForwardOutput) -> StepMessage | None:
+    """After a greedy plain step, each step it leads to (``plain_guess.next_step``), prepared
+    before rank 0's word and run for as long as rank 0 confirms it; the message that ended
+    the run (None: none received yet)."""
+    while out.picks is not None:
+        guess = next_step(step, out.picks[0], runner.page_size)
+        if guess is None:
+            return None
+        try:
+            out = run_forward(runner, None, guess, Confirm(channel, guess, runner.comm))
+        except GuessMissed as missed:
+            return missed.msg
+        step = guess
+    return None
+
+
+class Confirm:
+    """A guessed step's ``HostWork``: rank 0's word, as the forward reaches its first
+    collective. ``AsGuessed``: go on; any other message: ``GuessMissed`` (nothing of the
+    guessed step has reached the KV cache or another rank). A forward that ran a collective
+    first would have paired it with whatever rank 0 runs: that fails loudly here."""
+
+    def __init__(self, channel: Channel, guess: ForwardStep, comm: CommSwitch | None) -> None:
+        self.channel, self.comm = channel, comm
+        self.fingerprint = plan_fingerprint(guess)
+        self.calls = self._calls()
+
+    def _calls(self) -> int:
+        return self.comm.active.stats.calls if self.comm is not None else 0
+
+    def __call__(self) -> None:
+        if self._calls() != self.calls:
+            raise RuntimeError("a guessed step ran a collective before rank 0 confirmed it")
+        msg = receive(self.channel)
+        if not isinstance(msg, AsGuessed):
+            raise GuessMissed(msg)
+        if msg.fingerprint != self.fingerprint:
+            raise RuntimeError("rank 0 confirmed a step this rank guessed otherwise "
+                               f"(fingerprint {msg.fingerprint} vs {self.fingerprint})")
 
 
 def split_commit(msg: StepMessage) -> tuple[SpecCommit, StepMessage | None]:

@@ -21,8 +21,10 @@ from tpserve.layers.attention.metadata import AttentionMetadata
 
 @dataclass
 class HostWork:
-    """Host work a forward runs once, as it enters its long native call: rank 0's output
-    events of the previous step (``Engine._forward_step``).
+    """Host work a forward runs once, as it enters its long native call and before its first
+    collective: rank 0's output events of the previous step (``Engine._forward_step``); on a
+    follower, waiting for rank 0 to confirm a step it prepared on a guess (``plain_guess``,
+    ``follower.Confirm``: a collective before it would pair with whatever rank 0 runs).
 
     Why: each streamed token costs the HTTP thread 0.6-0.9 ms of Python on the 2-vCPU Zen 3
     (the SSE event, the middleware, the socket write: its /proc CPU time over 1024 tokens),

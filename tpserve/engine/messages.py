@@ -144,10 +144,20 @@ class Guessed:
     page_table: np.ndarray | None = None
 
 
+@dataclass(frozen=True)
+class AsGuessed:
+    """The next plain step is exactly the one every follower worked out from the last one and
+    its greedy picks (``engine/plain_guess.py``), field by field: a follower runs its own
+    (already prepared) instead of decoding a plan. ``fingerprint``: ``plan_fingerprint`` of
+    that step, so a follower whose guess differs fails loudly."""
+
+    fingerprint: int
+
+
 StepMessage = Union[ForwardStep, SpecStep, SpecCommit, ConfigChange, Shutdown,  # noqa: UP007
-                    Committed, Guessed]
+                    Committed, Guessed, AsGuessed]
 MESSAGE_TYPES: tuple[type, ...] = (ForwardStep, SpecStep, SpecCommit, ConfigChange, Shutdown,
-                                   DraftFeed, SpecSettings, Committed, Guessed)
+                                   DraftFeed, SpecSettings, Committed, Guessed, AsGuessed)
 _TYPE_INDEX = {t: i for i, t in enumerate(MESSAGE_TYPES)}
 _DTYPES = ("int64", "int32", "bool", "float32")
 # Looked up per field on every step on both sides of the channel: str(dtype), np.prod and

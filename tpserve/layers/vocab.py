@@ -70,6 +70,11 @@ class VocabParallelEmbedding(VocabShard):
             copy_into(table, source[: self.vocab], "embedding table")
             self.table = table
 
+    @property
+    def collects(self) -> bool:
+        """Whether a lookup runs a collective (the ranks sum their shards' rows)."""
+        return self.tp.size > 1 and self.table is None
+
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:
             return F.embedding(ids, self.weight)

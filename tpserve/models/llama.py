@@ -173,6 +173,8 @@ class LlamaForCausalLM(DecoderLM):
         stack = self.stack
         if stack is None or not DecoderStack.fits(batch.input_ids):
             return None
+        if self.embed_tokens.collects:
+            batch.host_work.run()  # before the step's first collective (HostWork)
         x = self.embed_tokens(batch.input_ids)
         rotary = self.rotary.at(batch.positions, x.dtype)
         meta, spec = self.attention.prepare(batch.attn).meta, self.attention.spec

@@ -22,7 +22,6 @@ messages then only confirm it.
 from __future__ import annotations
 
 import time
-import zlib
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, replace
@@ -34,7 +33,7 @@ from tpserve.engine.buckets import round_up
 from tpserve.engine.forward_batch import ForwardBatch
 from tpserve.engine.kv_cache import KVCache
 from tpserve.engine.messages import DraftFeed, ForwardStep, SpecCommit, SpecStep
-from tpserve.engine.plan import Layout, build_forward_batch
+from tpserve.engine.plan import Layout, build_forward_batch, plan_fingerprint, same_array
 from tpserve.engine.runner import ForwardOutput, ModelRunner
 from tpserve.engine.static_forward import draft_forward, run_static, verify_forward
 from tpserve.layers.attention.metadata import AttentionMetadata
@@ -127,11 +126,6 @@ def same_leading_pages(real: np.ndarray, guess: np.ndarray, counts: np.ndarray) 
     return bool(np.all((real[:, :width] == guess[:, :width]) | ~used))
 
 
-def plan_fingerprint(step: SpecStep) -> int:
-    """CRC-32 of a plan's tokens and counts (``Guessed`` carries rank 0's guess's)."""
-    return zlib.crc32(step.q_lens.tobytes(), zlib.crc32(step.token_ids.tobytes()))
-
-
 def committed_lens(step: SpecStep) -> np.ndarray:
     """[B] int32: each request's target KV length before the step's verify, which is also
     the logical index of its root (the last token, whose KV the verify writes first)."""
@@ -143,14 +137,6 @@ def same_requests(a: SpecStep, b: SpecStep) -> bool:
     return (same_array(a.keys, b.keys) and same_array(a.q_lens, b.q_lens)
             and same_array(a.cached_lens, b.cached_lens)
             and same_array(a.token_ids, b.token_ids))
-
-
-def same_array(a: np.ndarray, b: np.ndarray) -> bool:
-    """``np.array_equal``, as one byte compare where dtype and shape agree (the usual case:
-    ~10x cheaper on the plan's small arrays, on the drafting follower's critical path)."""
-    if a.dtype == b.dtype and a.shape == b.shape:
-        return a.tobytes() == b.tobytes()
-    return bool(np.array_equal(a, b))
 
 
 class Drafter:
