@@ -12,7 +12,13 @@ import pytest
 
 from tpserve.engine.follower import Confirm
 from tpserve.engine.messages import AsGuessed, ConfigChange, DraftFeed, ForwardStep, encode
-from tpserve.engine.plain_guess import GuessMissed, as_guessed, is_guess, next_step
+from tpserve.engine.plain_guess import (
+    GuessMissed,
+    as_guessed,
+    follows_as_guessed,
+    is_guess,
+    next_step,
+)
 
 PAGE = 4
 
@@ -113,3 +119,34 @@ def test_confirmation_goes_on_misses_or_fails_loudly() -> None:
     stats.calls += 1  # a collective ran before the confirmation
     with pytest.raises(RuntimeError, match="before rank 0 confirmed"):
         late()
+
+
+def test_rank_0s_test_on_lists_agrees_with_the_followers_guess() -> None:
+    """``follows_as_guessed`` (rank 0) says yes exactly where ``is_guess(plan, next_step(...))``
+    (what every follower checks against) does, over valid plans of every kind of change."""
+    rng = np.random.default_rng(0)
+    seen = {True: 0, False: 0}
+    for _ in range(300):
+        n = int(rng.integers(1, 4))
+        cached = rng.integers(1, 12, n).tolist()
+        pages = [list(range(10 * b + 1, 10 * b + 2 + (c - 1) // PAGE)) for b, c in enumerate(cached)]
+        prev = replace(decode_step([c - 1 for c in cached], pages), greedy=bool(rng.random() < 0.9))
+        tokens = rng.integers(0, 50, n).tolist()
+        cur = [c + 1 for c in cached]  # after the next step
+        need = [list(p) + ([99 + b] if c > len(p) * PAGE else []) for b, (p, c) in
+                enumerate(zip(pages, cur, strict=True))]
+        plan = replace(decode_step(cached, need), token_ids=np.array(tokens, dtype=np.int64))
+        change = rng.integers(0, 4)
+        if change == 1:
+            plan = replace(plan, token_ids=plan.token_ids + 1)
+        elif change == 2 and n > 1:
+            plan = replace(plan, token_ids=plan.token_ids[1:], q_lens=plan.q_lens[1:],
+                           cached_lens=plan.cached_lens[1:], page_table=plan.page_table[1:],
+                           logit_rows=plan.logit_rows[:-1])
+        elif change == 3:
+            plan = replace(plan, greedy=False)
+        guess = next_step(prev, tokens, PAGE)
+        want = guess is not None and is_guess(plan, guess)
+        assert follows_as_guessed(plan, prev, tokens) == want
+        seen[want] += 1
+    assert min(seen.values()) > 30  # both answers, many times

@@ -40,7 +40,7 @@ from tpserve.engine.messages import (
     StepMessage,
     encode,
 )
-from tpserve.engine.plain_guess import as_guessed, is_guess, next_step
+from tpserve.engine.plain_guess import as_guessed, follows_as_guessed
 from tpserve.engine.profiler import StepProfiler, TraceCapture
 from tpserve.engine.request import Request
 from tpserve.engine.runner import ModelRunner
@@ -109,9 +109,9 @@ class Engine:
         # Requests whose output events the last plain step left for the next forward to send
         # (``_commit``, ``HostWork``).
         self._events: list[Request] = []
-        # The plain step every follower expects next (``plain_guess``): sent as ``AsGuessed``
-        # when the next plan is exactly it.
-        self._plain_guess: ForwardStep | None = None
+        # The last plain step and its picks, from which every follower works out the next
+        # (``plain_guess``): a plan that is that step goes as ``AsGuessed``.
+        self._plain_guess: tuple[ForwardStep, list[int]] | None = None
 
     def submit(self, cmd: Command) -> None:
         self.inbox.put(cmd)
@@ -149,7 +149,8 @@ class Engine:
     def broadcast(self, msg: StepMessage) -> None:
         if self.channel is not None:
             plain, self._plain_guess = self._plain_guess, None
-            if plain is not None and isinstance(msg, ForwardStep) and is_guess(msg, plain):
+            if (plain is not None and isinstance(msg, ForwardStep)
+                    and follows_as_guessed(msg, *plain)):
                 msg = as_guessed(msg)
             if self._held_commit is not None:
                 guess, self._held_guess = self._held_guess, None
@@ -328,8 +329,7 @@ class Engine:
         with self._phase(batch.kind):
             out = run_forward(self.runner, self.spec, msg, events)
         if self.channel is not None and out.picks is not None:
-            # what the followers now expect
-            self._plain_guess = next_step(msg, out.picks[0], self.runner.page_size)
+            self._plain_guess = (msg, out.picks[0])
         if self.adaptive is not None and self.spec is not None:
             self.adaptive.record("feed", self.spec.feed_seconds)
         with prof.phase("sample"):
