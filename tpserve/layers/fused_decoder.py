@@ -29,7 +29,7 @@ from tpserve.layers.linear import (
     QKVParallelLinear,
     RowParallelLinear,
 )
-from tpserve.layers.tp import TPContext
+from tpserve.layers.tp import TPContext, native_exchange, run_exchanging
 
 # Per layer, decoder_stack.cpp's order: input norm, qkv (weight, bias), o (weight, bias),
 # post-attention norm, gate_up (weight, bias), down (weight, bias).
@@ -144,16 +144,11 @@ class DecoderStack:
         # Tensor parallel on `shm`: one call, reducing between the halves inside it. Per layer
         # from Python (below) a TP = 2 rank paid two op dispatches and two allreduce calls
         # through the backend's Python layers, ~25 us each beside ~5 us of exchange.
-        stack = getattr(comm, "stack_exchange", None)
-        ex = stack(x.dtype, x.shape) if stack is not None else None
+        ex = native_exchange(comm, x.dtype, x.shape)
         if ex is not None:
-            try:
-                out = torch.ops.tpserve.decoder_layers(x, self.weights, k_caches, v_caches,
-                                                       *step, *dims, ex.args(), aux_at)
-            except RuntimeError as exc:
-                comm.stack_failed(str(exc))
-                raise
-            comm.stack_exchanged(ex, 2 * len(kv), x.nbytes)
+            out = run_exchanging(comm, ex, 2 * len(kv), x.nbytes, lambda args: (
+                torch.ops.tpserve.decoder_layers(x, self.weights, k_caches, v_caches, *step,
+                                                 *dims, args, aux_at)))
             return out[0], out[1:]
         # Row-parallel biases (o: w[4], down: w[9]) go after the reduction.
         delta = None

@@ -15,7 +15,7 @@ from torch import nn
 
 from tpserve.layers import cpu_ops
 from tpserve.layers.linear import _param, copy_into, linear
-from tpserve.layers.tp import TPContext
+from tpserve.layers.tp import TPContext, native_exchange, run_exchanging
 
 # A shard's pick travels as float32 (its token id among them): exact below 2**24 ids.
 PICK_EXACT_IDS = 1 << 24
@@ -114,18 +114,12 @@ class ParallelLMHead(VocabShard):
         picks = torch.ops.tpserve.shard_pick(hidden, weight, eps, self.weight,
                                              max(0, self.end - self.start), self.start,
                                              tp.rank, tp.size)
-        ex = None
-        if tp.size > 1:
-            stack = getattr(comm, "stack_exchange", None)
-            ex = stack(picks.dtype, picks.shape) if stack is not None else None
-            if ex is None:
-                picks = comm.all_reduce(picks)  # zeros but one rank's fields: an all-gather
-        try:
-            tokens, logprobs = torch.ops.tpserve.combine_picks(picks, ex.args() if ex else [])
-        except RuntimeError as exc:
-            if ex is not None:
-                comm.stack_failed(str(exc))
-            raise
+        ex = native_exchange(comm, picks.dtype, picks.shape) if tp.size > 1 else None
         if ex is not None:
-            comm.stack_exchanged(ex, 1, picks.nbytes)
+            tokens, logprobs = run_exchanging(comm, ex, 1, picks.nbytes, lambda args: (
+                torch.ops.tpserve.combine_picks(picks, args)))
+        else:
+            if tp.size > 1:
+                picks = comm.all_reduce(picks)  # zeros but one rank's fields: an all-gather
+            tokens, logprobs = torch.ops.tpserve.combine_picks(picks, [])
         return tokens.tolist(), logprobs.tolist()
