@@ -12,15 +12,20 @@ import pytest
 
 from tpserve.engine.follower import Confirm
 from tpserve.engine.messages import AsGuessed, ConfigChange, DraftFeed, ForwardStep, encode
-from tpserve.engine.plain_guess import (
-    GuessMissed,
-    as_guessed,
-    follows_as_guessed,
-    is_guess,
-    next_step,
-)
+from tpserve.engine.plain_guess import GuessMissed, as_guessed, follows_as_guessed, next_step
+from tpserve.engine.plan import same_array
 
 PAGE = 4
+
+
+def is_guess(plan: ForwardStep, guess: ForwardStep) -> bool:
+    """The reference rank 0's list test stands for: ``plan`` is ``guess``, every field."""
+    return (plan.greedy == guess.greedy and plan.feed is None and guess.feed is None
+            and same_array(plan.token_ids, guess.token_ids)
+            and same_array(plan.q_lens, guess.q_lens)
+            and same_array(plan.cached_lens, guess.cached_lens)
+            and same_array(plan.page_table, guess.page_table)
+            and same_array(plan.logit_rows, guess.logit_rows))
 
 
 def decode_step(cached: list[int], pages: list[list[int]]) -> ForwardStep:
@@ -42,6 +47,7 @@ def test_the_next_step_feeds_each_pick_on_the_pages_held() -> None:
     assert guess.page_table is step.page_table and guess.logit_rows.tolist() == [0, 1]
     assert guess.greedy and guess.feed is None
     assert is_guess(replace(guess), guess)
+    assert follows_as_guessed(replace(guess), step, [11, 12])
 
 
 def test_a_prompt_chunk_that_sampled_leads_to_its_first_decode_step() -> None:
@@ -75,7 +81,8 @@ def test_no_guess_where_a_follower_cannot_know_the_step(why: str) -> None:
 @pytest.mark.parametrize("field", ["token_ids", "cached_lens", "page_table", "logit_rows",
                                    "greedy", "requests"])
 def test_a_plan_that_differs_anywhere_is_not_the_guess(field: str) -> None:
-    guess = next_step(decode_step([5, 9], [[3, 7], [4, 8, 9]]), [11, 12], PAGE)
+    prev = decode_step([5, 9], [[3, 7], [4, 8, 9]])
+    guess = next_step(prev, [11, 12], PAGE)
     assert guess is not None
     changed = {
         "token_ids": lambda: replace(guess, token_ids=np.array([11, 13])),
@@ -87,6 +94,7 @@ def test_a_plan_that_differs_anywhere_is_not_the_guess(field: str) -> None:
         "requests": lambda: next_step(decode_step([5], [[3, 7]]), [11], PAGE),
     }[field]()
     assert not is_guess(changed, guess)
+    assert not follows_as_guessed(changed, prev, [11, 12])
 
 
 class Channel:
@@ -129,7 +137,8 @@ def test_rank_0s_test_on_lists_agrees_with_the_followers_guess() -> None:
     for _ in range(300):
         n = int(rng.integers(1, 4))
         cached = rng.integers(1, 12, n).tolist()
-        pages = [list(range(10 * b + 1, 10 * b + 2 + (c - 1) // PAGE)) for b, c in enumerate(cached)]
+        pages = [list(range(10 * b + 1, 10 * b + 2 + (c - 1) // PAGE))
+                 for b, c in enumerate(cached)]
         prev = replace(decode_step([c - 1 for c in cached], pages), greedy=bool(rng.random() < 0.9))
         tokens = rng.integers(0, 50, n).tolist()
         cur = [c + 1 for c in cached]  # after the next step

@@ -39,20 +39,10 @@ def next_step(step: ForwardStep, tokens: list[int], page_size: int) -> ForwardSt
                        logit_rows=np.arange(batch, dtype=np.int64), greedy=True)
 
 
-def is_guess(plan: ForwardStep, guess: ForwardStep) -> bool:
-    """Whether rank 0's ``plan`` is ``guess`` (``next_step``'s), every field (a request that
-    took a new page, finished or joined makes it differ)."""
-    return (plan.greedy == guess.greedy and plan.feed is None and guess.feed is None
-            and same_array(plan.token_ids, guess.token_ids)
-            and same_array(plan.q_lens, guess.q_lens)
-            and same_array(plan.cached_lens, guess.cached_lens)
-            and same_array(plan.page_table, guess.page_table)
-            and same_array(plan.logit_rows, guess.logit_rows))
-
-
 def follows_as_guessed(plan: ForwardStep, prev: ForwardStep, tokens: list[int]) -> bool:
-    """Rank 0's test of its own valid ``plan``: ``is_guess(plan, next_step(prev, tokens,
-    page_size))``, on Python lists. ``next_step`` built the guess's arrays with ~8 numpy calls
+    """Rank 0's test of its own valid ``plan``: whether it is ``next_step(prev, tokens,
+    page_size)``, field by field (a request that took a new page, finished or joined makes
+    it differ), on Python lists. Building the guess's arrays took ~8 numpy calls
     (count_nonzero per row among them): 72 us a batch-1 step on rank 0's critical path, on
     caches the weight stream had just emptied, where the followers have time to spare. The
     page check is implied here: a valid plan on the same page table as ``prev`` holds every

@@ -46,13 +46,16 @@ class ModelRunner:
         self.static: StaticExecutor | None = None  # set by static_setup.install_static
         self.graph_info: dict[str, Any] = {}  # capture/compile report for server info
         self.threads = StepThreads.for_device(device)
+        # Fixed once the model is built: looked up here, not through its properties each step.
+        self._model_picks = bool(getattr(model, "picks_greedy", False))
+        self._forward_picks = getattr(model, "forward_picks", None)
 
     @property
     def picks_greedy(self) -> bool:
         """Whether a step may ask ``forward`` for greedy picks instead of logits: the model's
         head picks natively (``DecoderLM.picks_greedy``) and steps run eagerly (a captured
         or compiled decode returns logits)."""
-        return self.static is None and bool(getattr(self.model, "picks_greedy", False))
+        return self.static is None and self._model_picks
 
     @torch.inference_mode()
     def forward(self, step: BatchLayout, logit_rows: Any, aux_layers: tuple[int, ...] = (),
@@ -88,7 +91,7 @@ class ModelRunner:
         """A greedy step: the picks of ``logit_rows``, natively from the layer stack on where
         the model can (``forward_picks``)."""
         rows = None if every_row(logit_rows, batch.num_rows) else self._rows(logit_rows)
-        native = getattr(self.model, "forward_picks", None)
+        native = self._forward_picks
         out = native(batch, self.kv.layers, aux_layers, rows) if native is not None else None
         if out is not None:
             return ForwardOutput(logits=None, hidden=None, aux=out[1], picks=out[0])
