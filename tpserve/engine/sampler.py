@@ -182,7 +182,8 @@ def draw_uniforms(generators: Sequence[torch.Generator | None],
 def draw(
     probs: Tensor, generators: Sequence[torch.Generator | None], fallback: torch.Generator | None
 ) -> Tensor:
-    """One draw per row of ``probs`` (``fused.inverse_cdf``) with one uniform each (``draw_uniforms``)."""
+    """One draw per row of ``probs`` (``fused.inverse_cdf``) with one uniform each
+    (``draw_uniforms``)."""
     return fused.inverse_cdf(probs, draw_uniforms(generators, fallback, probs.device))
 
 

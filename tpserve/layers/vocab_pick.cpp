@@ -1,12 +1,12 @@
 // Greedy picks over a vocabulary split across tensor-parallel ranks, without gathering logits.
 //
 // tpserve::shard_pick(h, norm_w?, eps, lm_head_w, valid, start, rank, world) -> picks
-//   [K, 3 * world] fp32: this rank's lm_head over rows h, final-normed here first where norm_w
-//   is given (the same norm, matmul and fp32 rounding as decoder_head), then per row, over the shard's first `valid` columns (ids start...): the
-//   maximum, the shifted sum of exp(logit - maximum) (logsumexp.c's) and the first id holding
-//   the maximum (a NaN counts as the maximum, as torch.argmax), at columns 3 * rank...; every
-//   other column 0, so summing every rank's tensor is an all-gather (each value has one
-//   non-zero term: exact).
+//   [K, 3 * world] fp32: this rank's lm_head over rows h, final-normed here first where
+//   norm_w is given (the same norm, matmul and fp32 rounding as decoder_head), then per row,
+//   over the shard's first `valid` columns (ids start...): the maximum, the shifted sum of
+//   exp(logit - maximum) (logsumexp.c's) and the first id holding the maximum (a NaN counts
+//   as the maximum, as torch.argmax), at columns 3 * rank...; every other column 0, so
+//   summing every rank's tensor is an all-gather (each value has one non-zero term: exact).
 // tpserve::combine_picks(picks, exchange) -> (tokens [K] int64, log-probabilities [K] fp32):
 //   with `exchange` (a `shm` rank: comm_backends/base.py's StackExchange, as decoder_layers
 //   takes it) first that sum, in place; then per row the first shard holding the maximum wins
@@ -14,11 +14,11 @@
 //   log of the shards' sums rescaled to that maximum, the most negative float where the maximum
 //   is not finite (fused.finite_logprobs). One shard: exactly greedy_logprob's bits.
 //
-// Why: one rank's greedy step sent its logits through Python's sampler, ~60 us on caches the
-// weight stream had just emptied; at TP = 2 a batch-1 step gathered 128 KB of fp32 logits through caches the weight stream
-// had just emptied (~100 us of a 2.6 ms step on the bench model) and rank 0 then scanned all
-// 32000 of them to sample (~65 us). Doing the few numbers either side of the exchange in Python
-// was no cheaper: cold, each torch or numpy op there cost 5-10 us.
+// Why: one rank's greedy step sent its logits through Python's sampler (~60 us), and at
+// TP = 2 a batch-1 step also gathered 128 KB of fp32 logits (~100 us of a 2.6 ms step on the
+// bench model) before rank 0 scanned all 32000 of them (~65 us), all on caches the weight
+// stream had just emptied. Doing the few numbers either side of the exchange in Python was
+// no cheaper: cold, each torch or numpy op there cost 5-10 us.
 
 #include <ATen/ops/zeros.h>
 
