@@ -24,7 +24,6 @@ import time
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-import numpy as np
 import torch.distributed as dist
 
 from comm_backends.shm_segment import (
@@ -81,9 +80,12 @@ class ControlChannel:
                 os.close(fd)
         self.peers: list[ProcId] = procs
         self.peer_pids = [p.pid for p in procs]
-        words = np.frombuffer(self._mm, dtype=np.int64, count=header)
-        self._seq, self._nbytes = words[0:1], words[1 : 1 + cfg.slots]
-        self._acks = words[1 + cfg.slots :]
+        # The header's int64 words through a memoryview: a word read or written this way is
+        # one aligned 8-byte move like numpy's, at ~0.1 us instead of ~1 us a numpy scalar op
+        # (several a message, on rank 0's critical path between two steps, on caches the
+        # step's weight stream had just emptied).
+        self._words = memoryview(self._mm)[: 8 * header].cast("q")
+        self._ack_at = 1 + cfg.slots  # word index of rank 0's ack
         self._payload_at = 8 * header
         self._last = 0
 
@@ -99,22 +101,29 @@ class ControlChannel:
                              f"{self.slot_bytes}")
         seq = self._last + 1
         reused = seq - self.cfg.slots  # the message this slot held: read by everyone?
-        self._wait(lambda: bool((self._acks[1:] >= reused).all()), self._first_dead_follower)
+        if reused > 0 and not self._all_read(reused):
+            self._wait(lambda: self._all_read(reused), self._first_dead_follower)
         slot, at = self._slot(seq)
+        words = self._words
         self._mm[at : at + len(data)] = data
-        self._nbytes[slot] = len(data)
+        words[1 + slot] = len(data)
         self._last = seq
-        self._seq[0] = seq
+        words[0] = seq
 
     def recv(self) -> Any:
-        target = self._last + 1
-        self._wait(lambda: int(self._seq[0]) >= target, self._leader_dead)
+        target, words = self._last + 1, self._words
+        if words[0] < target:
+            self._wait(lambda: words[0] >= target, self._leader_dead)
         slot, at = self._slot(target)
-        size = int(self._nbytes[slot])
-        obj = pickle.loads(self._mm[at : at + size])
+        obj = pickle.loads(self._mm[at : at + words[1 + slot]])
         self._last = target
-        self._acks[self.rank] = target
+        words[self._ack_at + self.rank] = target
         return obj
+
+    def _all_read(self, seq: int) -> bool:
+        """Whether every follower has read message ``seq``."""
+        words, first = self._words, self._ack_at
+        return all(words[first + r] >= seq for r in range(1, self.world))
 
     def dead_peer(self) -> str | None:
         """Rank 0: the first follower whose process is gone, or None."""
@@ -150,7 +159,9 @@ class ControlChannel:
     def close(self) -> None:
         mm, self._mm = getattr(self, "_mm", None), None
         if mm is not None:
-            del self._seq, self._acks, self._nbytes
+            words = getattr(self, "_words", None)
+            if words is not None:
+                words.release()  # close() refuses while a view of the map is exported
             mm.close()
 
 
