@@ -317,7 +317,7 @@ class Engine:
         prof = self.profiler
         sampling = [r for r, s in zip(batch.requests, batch.samples()) if s]
         with prof.phase("plan"):
-            msg = replace(self.scheduler.plan(batch), greedy=self._picks_greedy(sampling))
+            msg = self.scheduler.plan(batch, greedy=self._picks_greedy(sampling))
             if self.spec is not None:
                 msg = replace(msg, feed=self.spec.draft_feed(batch.requests, self._live(),
                                                               batch.q_lens, self.follow_new,

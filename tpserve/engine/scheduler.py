@@ -28,6 +28,7 @@ import numpy as np
 from tpserve.engine.finish import abort
 from tpserve.engine.kv_cache import PageAllocator
 from tpserve.engine.messages import ForwardStep
+from tpserve.engine.plan_cache import PlanCache
 from tpserve.engine.prefix_cache import CacheStats, PrefixCache
 from tpserve.engine.request import Request
 
@@ -69,6 +70,7 @@ class Scheduler:
         # With a draft loaded: how many of a request's draft KV entries were written (the
         # speculative decoder knows); the prefix cache marks the pages they cover.
         self.drafted: Callable[[Request], int] | None = None
+        self._plans = PlanCache()  # the last plan's arrays, reused by the next where equal
 
     def add(self, req: Request) -> None:
         self.waiting.append(req)
@@ -246,21 +248,18 @@ class Scheduler:
         self.waiting.appendleft(victim)
         self.preemptions += 1
 
-    def plan(self, batch: ScheduledBatch) -> ForwardStep:
-        """The compact per-step message every rank expands into tensors (ragged tokens)."""
-        tokens = [t for req, q in zip(batch.requests, batch.q_lens)
+    def plan(self, batch: ScheduledBatch, greedy: bool = False) -> ForwardStep:
+        """The compact per-step message every rank expands into tensors (ragged tokens);
+        ``greedy``: the ranks pick its tokens (``ForwardStep.greedy``)."""
+        reqs = batch.requests
+        tokens = [t for req, q in zip(reqs, batch.q_lens)
                   for t in req.tokens(req.num_cached, req.num_cached + q)]
-        p_max = max(len(r.pages) for r in batch.requests)
-        pages = np.zeros((len(batch.requests), p_max), dtype=np.int32)
-        for i, req in enumerate(batch.requests):
-            pages[i, : len(req.pages)] = req.pages
-        ends = np.cumsum(batch.q_lens) - 1  # each request's last row gives its next token
-        rows = [int(end) for end, s in zip(ends, batch.samples()) if s]
+        q_lens, rows = self._plans.counts(batch.q_lens, batch.samples())
         return ForwardStep(
-            token_ids=np.array(tokens, dtype=np.int64),
-            q_lens=np.array(batch.q_lens, dtype=np.int32),
-            cached_lens=np.array([r.num_cached for r in batch.requests], dtype=np.int32),
-            page_table=pages, logit_rows=np.array(rows, dtype=np.int64),
+            token_ids=np.array(tokens, dtype=np.int64), q_lens=q_lens,
+            cached_lens=np.array([r.num_cached for r in reqs], dtype=np.int32),
+            page_table=self._plans.page_table([r.pages for r in reqs]), logit_rows=rows,
+            greedy=greedy,
         )
 
     def release_finished(self) -> list[Request]:

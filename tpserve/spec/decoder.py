@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 
 from tpserve.engine.messages import DraftFeed, ForwardStep, SpecCommit, SpecSettings, SpecStep
+from tpserve.engine.plan_cache import PlanCache
 from tpserve.engine.request import Request
 from tpserve.engine.runner import ForwardOutput
 from tpserve.engine.sampler import argmax_pick
@@ -88,6 +89,7 @@ class SpecDecoder:
         self.drafter = drafter
         self.enabled = enabled
         self.stats = SpecStats()
+        self._plans = PlanCache()  # rank 0: the last plan's page table, reused where equal
 
     @property
     def cfg(self) -> SpecConfig:
@@ -230,9 +232,7 @@ class SpecDecoder:
         lens = [len(self.drafter.pending[request_key(r)]) for r in reqs]
         tokens = np.array([t for req, n in zip(reqs, lens, strict=True)
                            for t in req.tokens(req.seq_len - n, req.seq_len)], dtype=np.int64)
-        pages = np.zeros((len(reqs), max(len(r.pages) for r in reqs)), dtype=np.int32)
-        for b, req in enumerate(reqs):
-            pages[b, : len(req.pages)] = req.pages
+        pages = self._plans.page_table([r.pages for r in reqs])
         cached = [r.seq_len - n for r, n in zip(reqs, lens, strict=True)]
         return SpecStep(tokens, np.array(lens, dtype=np.int32), np.array(cached, dtype=np.int32),
                         pages, np.array([request_key(r) for r in reqs], dtype=np.int64),
