@@ -186,9 +186,12 @@ class FlashInferAttention(AttentionBackend):
         rows_b = torch.repeat_interleave(torch.arange(batch), torch.from_numpy(np.diff(host.q_indptr)))
         rows_j = torch.arange(len(rows_b)) - q_indptr[:-1].long()[rows_b]
         mask = meta.custom_mask[rows_b.to(self.device), rows_j.to(self.device), :width]
-        self._ragged.plan(q_indptr, kv_indptr, s.num_q_heads, s.num_kv_heads, s.head_dim,
-                          custom_mask=mask.reshape(-1), window_left=self._window_left(),
-                          **self._common())
+        # The offsets on the mask's device: with a custom mask, plan() derives the packed
+        # mask's offsets from them (on their device) for a kernel that takes CUDA tensors
+        # only, and it copies them to the host for its own planning anyway.
+        self._ragged.plan(q_indptr.to(self.device), kv_indptr.to(self.device), s.num_q_heads,
+                          s.num_kv_heads, s.head_dim, custom_mask=mask.reshape(-1),
+                          window_left=self._window_left(), **self._common())
         has_prefix = bool(start.max() > 0)
         if has_prefix:
             layout = paged_layout(host.page_table, start.astype(np.int32), meta.page_size)
