@@ -4,20 +4,29 @@
 #
 #   launch/gpu_check.sh [SUMMARY.json]        # default: $OUT/gpu_check.json, else ./gpu_check_out/
 #   REQUIRE=cuda_p2p,symm_mem launch/gpu_check.sh   # a refusal or skip of these fails the gate
-#   STEP_TIMEOUT=900 PYTHON=.venv/bin/python launch/gpu_check.sh
+#   STEP_TIMEOUT=300 BUDGET_S=1500 PYTHON=.venv/bin/python launch/gpu_check.sh
 #
-# Steps: versions and the P2P / atomics / NVLink matrix (and auto's choice); the comm tests at
-# every available GPU count; the `-m gpu` tests; the demo model served on one GPU with a sampled
-# and a greedy request; the decode table; with 2+ GPUs a TP=N server per backend and
-# comm_backends.bench with correctness. Without a GPU it prints one line and exits 1.
-# Needs torch with CUDA, pytest, cupy for cuda_p2p (pip install 'tpserve[gpu,test,bench]').
+# Steps, cheapest and most telling first: versions and the P2P / atomics / NVLink matrix (and
+# auto's choice); the demo model served on one GPU with a sampled and a greedy request; the
+# `-m gpu` tests; the comm tests at every available GPU count; the decode table; with 2+ GPUs a
+# TP=N server per backend and comm_backends.bench with correctness. Without a GPU it prints one
+# line and exits 1. Needs torch with CUDA, pytest, cupy for cuda_p2p (pip install
+# 'tpserve[gpu,test,bench]'); where nothing can be installed, `launch/gpu_wheels.sh` fetches the
+# rest elsewhere into .whl/, which this script installs into a scratch directory first.
+#
+# Every step runs inside one budget (BUDGET_S, default 540 s: a lent GPU machine runs one
+# command for at most 10 minutes): a step gets at most what is left, one that cannot start is
+# recorded as not run (a failure), and the summary is rewritten after every step with
+# "complete": false until the last, so a run cut off still says how far it got and cannot read
+# as a pass.
 set -uo pipefail
 
 SUMMARY=${1:-${OUT:+$OUT/gpu_check.json}}
 SUMMARY=$(realpath -m "${SUMMARY:-gpu_check_out/gpu_check.json}")  # before cd: relative to the caller
 cd "$(dirname "$0")/.." || exit 1
-PY=${PYTHON:-python}
-STEP_TIMEOUT=${STEP_TIMEOUT:-600}
+PY=${PYTHON:-$(command -v python || command -v python3)}
+STEP_TIMEOUT=${STEP_TIMEOUT:-300}
+DEADLINE=$(( $(date +%s) + ${BUDGET_S:-540} ))
 export REQUIRE=${REQUIRE:-}
 
 NGPU=$("$PY" -c "import torch; print(torch.cuda.device_count())" 2>/dev/null)
@@ -31,45 +40,91 @@ mkdir -p "$LOGS"
 STEPS="$LOGS/steps.jsonl"
 : > "$STEPS"
 
-# step NAME LIMIT_S CMD...: run CMD under `timeout -s KILL LIMIT_S`, log it, record the outcome.
-# Exit 0 = pass, 3 = skipped (a refusal of something not in REQUIRE), 137 = timeout, else fail.
+# Wheels carried from elsewhere (launch/gpu_wheels.sh): installed without an index into a
+# scratch directory that every step's Python then sees first.
+if compgen -G ".whl/*.whl" > /dev/null; then
+    SITE=${WHEEL_SITE:-/tmp/tpserve_gpu_site}
+    if ! "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+            --target "$SITE" .whl/*.whl > "$LOGS/wheels.log" 2>&1; then
+        echo "gpu_check: installing .whl/ failed (log: $LOGS/wheels.log)"
+        exit 1
+    fi
+    export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
+fi
+
+# summarise COMPLETE: (re)write the JSON summary from the steps so far; exit status 0 only
+# for a complete run whose every step passed (or was skipped and not required).
+summarise() {
+    "$PY" - "$STEPS" "$LOGS/topology.json" "$SUMMARY" "$NGPU" "$1" <<'PYEOF'
+import json, os, sys
+steps_path, topo_path, summary_path, ngpu, complete = sys.argv[1:6]
+steps = [json.loads(line) for line in open(steps_path) if line.strip()]
+topology = json.load(open(topo_path)) if os.path.exists(topo_path) else None
+complete = complete == "1"
+ok = complete and all(s["status"] in ("pass", "skipped") for s in steps)
+summary = {"ok": ok, "complete": complete, "gpus": int(ngpu),
+           "require": [r for r in os.environ["REQUIRE"].split(",") if r],
+           "steps": steps, "topology": topology}
+with open(summary_path, "w") as f:
+    json.dump(summary, f, indent=2)
+if complete:
+    bad = [s["step"] + ": " + s["status"] for s in steps if s["status"] not in ("pass", "skipped")]
+    print(f"gpu_check: {'PASS' if ok else 'FAIL'}; summary in {summary_path}"
+          + ("" if ok else "; " + ", ".join(bad)))
+sys.exit(0 if ok else 1)
+PYEOF
+}
+
+# step NAME LIMIT_S CMD...: run CMD under `timeout -s KILL` (LIMIT_S or what is left of the
+# budget, whichever is less), log it, record the outcome. Exit 0 = pass, 137 = timeout, else a
+# failure; with SKIPPABLE=1 (the server checks only), 3 = skipped (a refusal of a backend not in
+# REQUIRE): pytest's own 3 is an internal error.
 step() {
     local name=$1 limit=$2
     shift 2
-    local log="$LOGS/$name.log" start rc status
+    local log="$LOGS/$name.log" start rc status left
+    left=$(( DEADLINE - $(date +%s) ))
+    (( left < limit )) && limit=$left
     start=$(date +%s%N)
-    echo "== $name (limit ${limit}s)"
-    timeout -s KILL "$limit" "$@" > "$log" 2>&1
-    rc=$?
-    case $rc in
-        0) status=pass ;;
-        3) status=skipped ;;
-        137) status=timeout ;;
-        *) status=fail ;;
-    esac
+    if (( left < 20 )); then
+        echo "budget spent: not run" > "$log"
+        rc=-1
+        status=not_run
+    else
+        echo "== $name (limit ${limit}s)"
+        timeout -s KILL "$limit" "$@" > "$log" 2>&1
+        rc=$?
+        case $rc in
+            0) status=pass ;;
+            137) status=timeout ;;
+            3) [ "${SKIPPABLE:-0}" = 1 ] && status=skipped || status=fail ;;
+            *) status=fail ;;
+        esac
+    fi
     local seconds
     seconds=$(awk -v a="$start" -v b="$(date +%s%N)" 'BEGIN { printf "%.1f", (b - a) / 1e9 }')
     printf '{"step": "%s", "status": "%s", "rc": %d, "seconds": %s, "log": "%s"}\n' \
         "$name" "$status" "$rc" "$seconds" "$log" >> "$STEPS"
     tail -n 4 "$log"
     echo "-- $name: $status (${seconds}s)"
+    summarise 0
 }
 
 # serve_check NAME RANKS BACKEND: the demo model on CUDA, one sampled + one greedy request.
 serve_check() {
-    step "$1" "$STEP_TIMEOUT" "$PY" -m launch.gpu_serve_check --device cuda --ranks "$2" \
-        --allreduce "$3" --json "$LOGS/$1.json" --log "$LOGS/$1.server.log"
+    SKIPPABLE=1 step "$1" "$STEP_TIMEOUT" "$PY" -m launch.gpu_serve_check --device cuda \
+        --ranks "$2" --allreduce "$3" --json "$LOGS/$1.json" --log "$LOGS/$1.server.log"
 }
 
 step versions_topology 120 "$PY" -m comm_backends.topology_report --json "$LOGS/topology.json"
-# Every GPU count from 2 to all of them, each backend separately; REQUIRE turns skips into failures.
-step comm_tests "$STEP_TIMEOUT" "$PY" -m pytest -q -rs tests/test_comm_cuda.py \
-    tests/test_cuda_kernel_source.py tests/test_cuda_p2p_flag.py
+serve_check serve_tp1 1 auto
 # Only the files that hold GPU tests: collecting all of tests/ imports the CPU suite's
 # test-only packages (schemathesis, openai), which a GPU image need not have.
 mapfile -t GPU_TESTS < <(grep -l "mark\.gpu" tests/test_*.py)
 step gpu_marked_tests "$STEP_TIMEOUT" "$PY" -m pytest -q -rs -m gpu "${GPU_TESTS[@]}"
-serve_check serve_tp1 1 auto
+# Every GPU count from 2 to all of them, each backend separately; REQUIRE turns skips into failures.
+step comm_tests "$STEP_TIMEOUT" "$PY" -m pytest -q -rs tests/test_comm_cuda.py \
+    tests/test_cuda_kernel_source.py tests/test_cuda_p2p_flag.py
 step decode_table "$STEP_TIMEOUT" "$PY" -m launch.gpu_decode_table --json "$LOGS/decode_table.json"
 
 if [ "$NGPU" -ge 2 ]; then
@@ -84,17 +139,4 @@ if [ "$NGPU" -ge 2 ]; then
         --json "$LOGS/comm_bench.json" --plot "$LOGS/comm_bench.png"
 fi
 
-"$PY" - "$STEPS" "$LOGS/topology.json" "$SUMMARY" "$NGPU" <<'PYEOF'
-import json, os, sys
-steps_path, topo_path, summary_path, ngpu = sys.argv[1:5]
-steps = [json.loads(line) for line in open(steps_path) if line.strip()]
-topology = json.load(open(topo_path)) if os.path.exists(topo_path) else None
-ok = all(s["status"] in ("pass", "skipped") for s in steps)
-summary = {"ok": ok, "gpus": int(ngpu), "require": [r for r in os.environ["REQUIRE"].split(",") if r],
-           "steps": steps, "topology": topology}
-with open(summary_path, "w") as f:
-    json.dump(summary, f, indent=2)
-bad = [s["step"] + ": " + s["status"] for s in steps if s["status"] not in ("pass", "skipped")]
-print(f"gpu_check: {'PASS' if ok else 'FAIL'}; summary in {summary_path}" + ("" if ok else "; " + ", ".join(bad)))
-sys.exit(0 if ok else 1)
-PYEOF
+summarise 1

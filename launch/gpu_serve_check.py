@@ -121,6 +121,17 @@ def stop(proc: subprocess.Popen) -> int:
     return proc.returncode
 
 
+def refusals(log: str, allreduce: str, ranks: int) -> list[str]:
+    """The start-up lines that refuse the allreduce backend (every ``BackendUnavailable``
+    names one: "allreduce backend ..." or "no allreduce backend ..."). Any other error a
+    server exits with (the KV budget, the attention backend, a bad flag) is a failure, not
+    a refusal, and ``auto`` on one rank must always start."""
+    if allreduce == "auto" and ranks == 1:
+        return []
+    return [line for line in log.splitlines()
+            if line.startswith("error: ") and "allreduce backend" in line]
+
+
 def run(ns: argparse.Namespace, log: Path) -> tuple[int, dict[str, Any]]:
     port = free_port()
     url = f"http://127.0.0.1:{port}"
@@ -130,7 +141,7 @@ def run(ns: argparse.Namespace, log: Path) -> tuple[int, dict[str, Any]]:
     try:
         ready = wait_ready(url, proc, time.monotonic() + ns.timeout)
         if not ready:
-            refusal = [ln for ln in log.read_text().splitlines() if ln.startswith("error: ")]
+            refusal = refusals(log.read_text(), ns.allreduce, ns.ranks)
             if proc.returncode not in (0, None) and refusal:
                 required = ns.allreduce in ns.require
                 return (1 if required else REFUSED), {"refused": refusal[-1], "required": required}

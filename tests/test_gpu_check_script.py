@@ -52,3 +52,46 @@ def test_a_refused_backend_is_skipped_unless_required(require: str, expected: in
                                require=require)
     assert code == expected, result
     assert "nccl" in result["refused"] and result["required"] == bool(require)
+
+
+def test_a_server_that_fails_otherwise_is_a_failure_not_a_skip(tmp_path: Path) -> None:
+    # The attention backend cannot run here: a start-up error that names no allreduce backend.
+    code, result = serve_check(tmp_path, "--ranks", "1", "--allreduce", "shm", "--",
+                               "--attention-backend", "flashinfer", *CPU_FLAGS[1:])
+    assert code == 1, result
+    assert "refused" not in result and "server exited" in result["error"]
+
+
+def test_only_allreduce_refusals_count_and_never_auto_on_one_rank() -> None:
+    from launch.gpu_serve_check import refusals
+
+    log = ("error: the KV budget gives only 1 pages\n"
+           "error: allreduce backend 'nccl' needs device cuda, got cpu\n"
+           "error: no allreduce backend for 2 ranks on cpu\n")
+    assert refusals(log, "nccl", 2) == [
+        "error: allreduce backend 'nccl' needs device cuda, got cpu",
+        "error: no allreduce backend for 2 ranks on cpu"]
+    assert refusals(log, "auto", 1) == []
+    assert refusals("error: the KV budget gives only 1 pages\n", "shm", 1) == []
+
+
+def test_a_run_the_budget_cuts_short_fails_and_says_how_far_it_got(tmp_path: Path) -> None:
+    # A Python that reports one GPU (this machine has none) and whose first step takes 6 s of
+    # a 24 s budget: every later step finds under 20 s left and is recorded as not run.
+    fake = tmp_path / "python"
+    fake.write_text("#!/usr/bin/env bash\n"
+                    'if [ "$1" = -c ] && [[ "$2" == *device_count* ]]; then echo 1; exit 0; fi\n'
+                    'if [ "$2" = comm_backends.topology_report ]; then sleep 6; fi\n'
+                    f'exec {sys.executable} "$@"\n')
+    fake.chmod(0o755)
+    env = {**os.environ, "PYTHON": str(fake), "OUT": str(tmp_path), "BUDGET_S": "24"}
+    run = subprocess.run(["bash", str(ROOT / "launch" / "gpu_check.sh")], cwd=tmp_path, env=env,
+                         capture_output=True, text=True, timeout=300)
+    summary = json.loads((tmp_path / "gpu_check.json").read_text())
+    assert run.returncode != 0 and "gpu_check: FAIL" in run.stdout, run.stdout
+    assert summary["complete"] is True and summary["ok"] is False
+    statuses = {s["step"]: s["status"] for s in summary["steps"]}
+    assert list(statuses) == ["versions_topology", "serve_tp1", "gpu_marked_tests", "comm_tests",
+                              "decode_table"]
+    assert statuses["versions_topology"] in ("pass", "fail")
+    assert all(statuses[name] == "not_run" for name in list(statuses)[1:]), statuses
