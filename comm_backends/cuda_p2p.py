@@ -142,7 +142,10 @@ class CudaP2PAllReduce(AllReduce):
         rt.memset(self._base, 0, SIGNAL_BYTES)
         rt.deviceSynchronize()
         sms = torch.cuda.get_device_properties(self._dev).multi_processor_count
-        mine = (self._dev, sms, rt.ipcGetMemHandle(self._base))
+        # One rank opens no peer's memory: no IPC handle, which a runtime without CUDA IPC
+        # (a sandboxed machine) would refuse.
+        handle = rt.ipcGetMemHandle(self._base) if self.world_size > 1 else None
+        mine = (self._dev, sms, handle)
         found = self._exchange((node_key(), mine))
         entries = [entry for _, entry in found]
         nodes = len({key for key, _ in found})

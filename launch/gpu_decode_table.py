@@ -12,6 +12,7 @@ graphs) applies to both runs; the line after the table names the backend the gra
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import tempfile
 from pathlib import Path
@@ -88,6 +89,7 @@ def measure(path: Path, batches: list[int], tokens: int, graphs: bool,
            "weight_bytes": weight_bytes_per_token(engine.built.runner.model)}
     engine.close()
     del engine
+    gc.collect()  # the model's parameters sit in reference cycles (their bound loaders)
     torch.cuda.empty_cache()
     return out
 
