@@ -19,7 +19,7 @@ WHEELS=(
     fastapi==0.165.0 annotated-doc starlette==1.10.0 uvicorn==0.55.0 httptools==0.9.0
     orjson==3.13.0 pydantic==2.14.4 pydantic-core==2.50.5 annotated-types==0.8.0
     typing-inspection==0.4.5 typing-extensions==4.16.0
-    flashinfer-python==0.6.0 apache-tvm-ffi==0.1.6 nvidia-cudnn-frontend==1.13.0
+    flashinfer-python==0.6.0 apache-tvm-ffi==0.1.6
 )
 mkdir -p "$DEST"
 "$PY" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
