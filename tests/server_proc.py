@@ -14,6 +14,8 @@ import httpx
 
 from tests.harness import free_port
 
+PORT_TRIES = 3
+
 
 @contextmanager
 def running_server(ranks: int, *flags: str, cache: Path, env: dict[str, str] | None = None,
@@ -26,19 +28,31 @@ def running_server(ranks: int, *flags: str, cache: Path, env: dict[str, str] | N
     (``$TPSERVE_CACHE``, content-keyed, so sharing it is safe): building them afresh for every
     server, on every rank at once, cost minutes of a loaded CI machine's start-up timeout.
     """
-    port = free_port()
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks),
-           "--master-port", str(free_port()), *launcher_flags, "-m", "tpserve",
-           "--port", str(port), *flags]
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
-    log = open(cache / f"server-{port}.log", "w")
-    proc = subprocess.Popen(cmd, env=full_env, stdout=log, stderr=subprocess.STDOUT,
-                            start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
+    for attempt in range(PORT_TRIES):
+        port = free_port()
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks),
+               "--master-port", str(free_port()), *launcher_flags, "-m", "tpserve",
+               "--port", str(port), *flags]
+        log = open(cache / f"server-{port}.log", "w")
+        proc = subprocess.Popen(cmd, env=full_env, stdout=log, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+        url = f"http://127.0.0.1:{port}"
+        try:
+            if while_starting is not None:
+                while_starting(url, cache / f"server-{port}.log")
+            wait_healthy(url, proc, timeout, cache / f"server-{port}.log")
+        except BaseException as exc:
+            stop(proc)
+            log.close()
+            # A port free_port() saw free was taken before the server bound it (an outgoing
+            # connection of another test drew it from the same ephemeral range): a new one.
+            if (isinstance(exc, RuntimeError) and "Address already in use" in str(exc)
+                    and attempt + 1 < PORT_TRIES):
+                continue
+            raise
+        break
     try:
-        if while_starting is not None:
-            while_starting(url, cache / f"server-{port}.log")
-        wait_healthy(url, proc, timeout, cache / f"server-{port}.log")
         yield url, proc
     finally:
         stop(proc)
