@@ -47,7 +47,7 @@ def running_server(ranks: int, *flags: str, cache: Path, env: dict[str, str] | N
             log.close()
             # A port free_port() saw free was taken before the server bound it (an outgoing
             # connection of another test drew it from the same ephemeral range): a new one.
-            if (isinstance(exc, RuntimeError) and "Address already in use" in str(exc)
+            if (isinstance(exc, RuntimeError) and "address already in use" in str(exc).lower()
                     and attempt + 1 < PORT_TRIES):
                 continue
             raise
