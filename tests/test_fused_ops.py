@@ -136,6 +136,34 @@ def test_rotary_rows_bits(dtype: torch.dtype) -> None:
                        fused.rotary_rows_reference(cos, sin, positions, dtype)[1])
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_embed_rotary_equals_embedding_and_rotary_rows(dtype: torch.dtype) -> None:
+    """The stack's inputs in one call: F.embedding's rows (repeated and boundary ids) and
+    rotary_rows in the table's dtype, bit for bit, as a fresh tensor."""
+    table = _rand(50, 96, dtype=dtype, scale=2.0, seed=3)
+    cos = _rand(300, 64, dtype=torch.float32, scale=3.0, seed=4)
+    sin = _rand(300, 64, dtype=torch.float32, scale=3.0, seed=5)
+    ids, positions = torch.tensor([0, 49, 7, 7, 23]), torch.tensor([0, 299, 5, 5, 17])
+    x, c, s = torch.ops.tpserve.embed_rotary(ids, table, cos, sin, positions)
+    want = (torch.nn.functional.embedding(ids, table),
+            *fused.rotary_rows_reference(cos, sin, positions, dtype))
+    for got, ref in zip((x, c, s), want, strict=True):
+        assert got.shape == ref.shape and got.dtype == dtype
+        assert torch.equal(got.view(torch.uint8), ref.view(torch.uint8))
+    x[0] = 0  # a copy: the table is untouched
+    assert torch.equal(table[0], want[0][0])
+    assert all(torch.equal(g, w) for g, w in zip(fused.embed_rotary(ids, table, cos, sin, positions),
+                                                 want, strict=True))
+
+
+def test_embed_rotary_rejects_ids_outside_the_table() -> None:
+    table, rot = torch.zeros(10, 8, dtype=torch.bfloat16), torch.zeros(16, 4)
+    for bad in ([3, 10], [-1]):
+        with pytest.raises(RuntimeError, match="outside the embedding table"):
+            torch.ops.tpserve.embed_rotary(torch.tensor(bad), table, rot, rot,
+                                           torch.zeros(len(bad), dtype=torch.long))
+
+
 def test_rotary_rows_rejects_positions_past_the_table() -> None:
     table = torch.zeros(10, 8)
     with pytest.raises(RuntimeError, match="outside the rotary table"):

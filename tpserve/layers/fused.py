@@ -196,6 +196,16 @@ def rotary_rows(cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
     return rotary_rows_reference(cos, sin, positions, dtype)
 
 
+def embed_rotary(ids: torch.Tensor, table: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                 positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(rows ``ids`` of ``table``, then ``rotary_rows`` of ``positions`` in the table's dtype):
+    a step's embedding and rotary rows in one native call, same bits as the references."""
+    if (not torch.compiler.is_compiling() and _native_defined(table) and ids.is_cpu
+            and positions.is_cpu and cos.dtype == torch.float32):
+        return torch.ops.tpserve.embed_rotary(ids, table, cos, sin, positions)
+    return (F.embedding(ids, table), *rotary_rows_reference(cos, sin, positions, table.dtype))
+
+
 def silu_mul(x: torch.Tensor) -> torch.Tensor:
     """SiLU of the first half of the last dimension times the second half."""
     if _native(x):

@@ -75,6 +75,11 @@ class VocabParallelEmbedding(VocabShard):
         """Whether a lookup runs a collective (the ranks sum their shards' rows)."""
         return self.tp.size > 1 and self.table is None
 
+    @property
+    def local_table(self) -> torch.Tensor | None:
+        """The whole table a lookup reads on this rank alone (None where it collects)."""
+        return self.weight if self.tp.size == 1 else self.table
+
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:
             return F.embedding(ids, self.weight)

@@ -175,13 +175,24 @@ class LlamaForCausalLM(DecoderLM):
             return None
         if self.embed_tokens.collects:
             batch.host_work.run()  # before the step's first collective (HostWork)
-        x = self.embed_tokens(batch.input_ids)
-        rotary = self.rotary.at(batch.positions, x.dtype)
+        x, cos, sin = self._stack_inputs(batch)
         meta, spec = self.attention.prepare(batch.attn).meta, self.attention.spec
         batch.host_work.run()  # beside the native stack, which holds no GIL (HostWork)
         # The auxiliary states in increasing layer order, as the layer loop returns them.
         at = sorted({i for i in aux_layers if i <= self.cfg.num_layers})
-        return stack.run(x, rotary.cos, rotary.sin, meta, spec.window, spec.scale, kv, at)
+        return stack.run(x, cos, sin, meta, spec.window, spec.scale, kv, at)
+
+    def _stack_inputs(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The stack's input rows and the step's rotary cos / sin: in one native call where
+        the embedding needs no collective and the rotary pairs are the halves
+        (``fused.embed_rotary``)."""
+        table = self.embed_tokens.local_table
+        if table is None or self.rotary.interleaved:
+            x = self.embed_tokens(batch.input_ids)
+            rotary = self.rotary.at(batch.positions, x.dtype)
+            return x, rotary.cos, rotary.sin
+        return fused.embed_rotary(batch.input_ids, table, self.rotary.cos, self.rotary.sin,
+                                  batch.positions)
 
     def bind_attention(self, batch: ForwardBatch) -> Attend:
         return bind(self.attention, batch.attn)  # the per-step preparation, done once
