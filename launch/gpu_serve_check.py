@@ -17,7 +17,6 @@ import argparse
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -27,15 +26,11 @@ from typing import Any
 
 import httpx
 
+from launch.ports import free_port
+
 REFUSED = 3
 PORT_TRIES = 3
 PROMPT = "def fib(n):"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def command(ranks: int, port: int, ns: argparse.Namespace) -> list[str]:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import pickle
-import socket
 import traceback
 from collections.abc import Callable
 from pathlib import Path
@@ -16,6 +15,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from tokenizers import Tokenizer
 
+from launch.ports import free_port
 from tpserve.args import ServerArgs
 from tpserve.engine.build import BuiltEngine
 from tpserve.engine.build import build_engine as build_rank
@@ -23,12 +23,6 @@ from tpserve.engine.engine import Engine
 from tpserve.engine.request import Request, new_request
 from tpserve.engine.sampling_params import SamplingParams
 from tpserve.engine.warmup import run_to_completion
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _entry(rank: int, world: int, port: int, fn: Callable, args: tuple, out: Any) -> None:
