@@ -35,9 +35,10 @@ def versions() -> dict[str, Any]:
     return {
         "torch": torch.__version__, "cuda": torch.version.cuda,
         "nccl": ".".join(map(str, nccl)) if isinstance(nccl, tuple) else nccl,
-        "driver": _driver_version(), "cupy": (_version("cupy-cuda12x") or _version("cupy-cuda13x")
-                                                 or _version("cupy")),
-        "nvrtc": _version("nvidia-cuda-nvrtc-cu12") or _version("nvidia-cuda-nvrtc"), "python": sys.version.split()[0],
+        "driver": _driver_version(),
+        "cupy": _version("cupy-cuda12x") or _version("cupy-cuda13x") or _version("cupy"),
+        "nvrtc": _version("nvidia-cuda-nvrtc-cu12") or _version("nvidia-cuda-nvrtc"),
+        "python": sys.version.split()[0],
     }
 
 

@@ -139,9 +139,10 @@ at::Tensor required(const c10::List<std::optional<at::Tensor>> &w, int64_t i, co
 }
 
 // A tensor-parallel rank's allreduce from native code (between layer halves; vocab_pick.cpp's
-// picks), run by the `shm` backend's compiled exchange (comm_backends/base.py's StackExchange): `ex` = [fn, even plan, odd plan, first
-// seq, rounds per call, timeout ns, pids, clock]. In place, then the row-parallel bias once (as
-// fused_decoder.py's _reduced adds it after comm.all_reduce: the same bits). `clock`, where
+// picks), run by the `shm` backend's compiled exchange (comm_backends/base.py's
+// StackExchange): `ex` = [fn, even plan, odd plan, first seq, rounds per call, timeout ns,
+// pids, clock]. In place, then the row-parallel bias once (as fused_decoder.py's _reduced
+// adds it after comm.all_reduce: the same bits). `clock`, where
 // not 0, is the address of an int64 each call adds its nanoseconds to: the backend's
 // statistics time these allreduces too (the profiler's allreduce ms left them out).
 class StackReduce {

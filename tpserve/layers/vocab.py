@@ -71,20 +71,19 @@ class VocabParallelEmbedding(VocabShard):
             self.table = table
 
     @property
-    def collects(self) -> bool:
-        """Whether a lookup runs a collective (the ranks sum their shards' rows)."""
-        return self.tp.size > 1 and self.table is None
-
-    @property
     def local_table(self) -> torch.Tensor | None:
         """The whole table a lookup reads on this rank alone (None where it collects)."""
         return self.weight if self.tp.size == 1 else self.table
 
+    @property
+    def collects(self) -> bool:
+        """Whether a lookup runs a collective (the ranks sum their shards' rows)."""
+        return self.local_table is None
+
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        if self.tp.size == 1:
-            return F.embedding(ids, self.weight)
-        if self.table is not None:
-            return F.embedding(ids, self.table)
+        table = self.local_table
+        if table is not None:
+            return F.embedding(ids, table)
         local = ids - self.start
         outside = (local < 0) | (local >= self.per_rank)
         out = F.embedding(local.masked_fill(outside, 0), self.weight)
