@@ -33,21 +33,10 @@ from typing import Any
 import httpx
 
 from launch.ab import start_server
-from launch.soak import Tally, one_request, percentile
+from launch.soak import Tally, client_loop, percentile
 
 TARGET_RATIO = 1.5
 Abuse = Callable[[httpx.AsyncClient, random.Random], Awaitable[str]]
-
-
-async def normal_client(url: str, headers: dict[str, str], seed: int, deadline: float,
-                        max_tokens: int, tally: Tally) -> None:
-    rng = random.Random(seed)
-    async with httpx.AsyncClient(base_url=url, headers=headers, timeout=120) as client:
-        while time.monotonic() < deadline:
-            try:
-                await one_request(client, rng, max_tokens, tally)
-            except httpx.HTTPError as exc:
-                tally.errors[type(exc).__name__] += 1
 
 
 async def huge_stops(client: httpx.AsyncClient, rng: random.Random) -> str:
@@ -153,7 +142,7 @@ async def window(args: argparse.Namespace, index: int, hostile: bool, tally: Tal
     the same number of clients, and the difference is the hostility alone."""
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     deadline = time.monotonic() + args.seconds
-    jobs = [normal_client(args.url, headers, 1000 * index + i, deadline, args.max_tokens, tally)
+    jobs = [client_loop(args.url, headers, 1000 * index + i, deadline, args.max_tokens, tally)
             for i in range(args.normal)]
     proc, results = None, None
     if hostile:
@@ -163,7 +152,7 @@ async def window(args: argparse.Namespace, index: int, hostile: bool, tally: Tal
             args.url, headers, args.seconds, args.max_request_bytes, args.abuses, results))
         proc.start()
     else:
-        jobs.append(normal_client(args.url, headers, 1000 * index + 999, deadline,
+        jobs.append(client_loop(args.url, headers, 1000 * index + 999, deadline,
                                   args.max_tokens, Tally()))
     await asyncio.gather(*jobs)
     if proc is not None and results is not None:
