@@ -90,10 +90,12 @@ def choose_backend(topo: Topology, refused: Mapping[str, str]) -> Choice:
         if topo.world_size == 1:
             return Choice("shm" if ok["shm"] else "gloo", "one rank: nothing to reduce")
         return _cpu(topo, ok, refused)
+    if topo.world_size == 1:  # never reduces: any CUDA backend that can be built will do
+        for name in ("nccl", "symm_mem", "cuda_p2p"):
+            if ok[name]:
+                return Choice(name, "one rank: nothing to reduce")
     if not ok["nccl"]:
         raise NoBackend(f"no allreduce backend for {topo.describe()}" + _why_not(refused, *refused))
-    if topo.world_size == 1:
-        return Choice("nccl", "one rank: nothing to reduce")
     if topo.nodes > 1:
         return Choice("nccl", f"{topo.nodes} nodes x {topo.local_world_size} GPUs: NCCL "
                               "(its own intra-/inter-node hierarchy)")

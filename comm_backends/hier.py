@@ -1,7 +1,9 @@
 """The ``hier`` backend: allreduce within each node, then across nodes, then back.
 
 1. ``local``: allreduce within the node over its fast backend (``shm`` on CPU; on CUDA what
-   ``auto`` would pick for one node of this size: ``cuda_p2p``/``symm_mem`` on NVLink, else NCCL).
+   ``auto`` would pick for one node of this size: ``cuda_p2p``/``symm_mem`` on NVLink, else NCCL;
+   decided from the node leader's topology minus what any rank of the node refuses, so all
+   ranks of a node build the same one).
 2. ``cross``: allreduce of the node sums among one leader per node (the node's lowest rank)
    over gloo (CPU) or NCCL (CUDA): one message per node crosses the network, not one per rank.
 3. ``broadcast``: the leader's total back to its node: the other ranks zero their buffer and
@@ -23,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from comm_backends.base import AllReduce, BackendUnavailable
-from comm_backends.topology import Placement, measure, node_key, node_layout
+from comm_backends.topology import Placement, Topology, measure, node_key, node_layout
 
 PARTS = ("local", "cross", "broadcast")
 
@@ -55,8 +57,9 @@ class HierAllReduce(AllReduce):
             self._setup()
 
     def _setup(self) -> None:
+        objects = self._object_group()  # built once: every rank creates the same groups
         keys: list[Any] = [None] * self.world_size
-        dist.all_gather_object(keys, node_key(), group=self._object_group())
+        dist.all_gather_object(keys, node_key(), group=objects)
         members = node_layout(keys)
         self.nodes = len(members)
 
@@ -69,8 +72,13 @@ class HierAllReduce(AllReduce):
         leaders = dist.new_group(global_ranks([m[0] for m in members]), backend=backend)
         mine = next(i for i, m in enumerate(members) if self.rank in m)
         self.is_leader = members[mine][0] == self.rank
+        # Every rank's view of its own node, so that a node's ranks all build the same local
+        # backend (a rank-divergent choice would hang in the backends' collective set-up).
+        views: list[Any] = [None] * self.world_size
+        dist.all_gather_object(views, self._local_view(len(members[mine])), group=objects)
         if len(members[mine]) > 1:
-            self._local = self._build(self._local_name(len(members[mine])), node_groups[mine])
+            name = self._local_name([views[r] for r in members[mine]])
+            self._local = self._build(name, node_groups[mine])
         if self.nodes > 1 and self.is_leader:
             self._cross = self._build("gloo" if self.device.type == "cpu" else "nccl", leaders)
 
@@ -79,14 +87,32 @@ class HierAllReduce(AllReduce):
             return self.group
         return dist.new_group(backend="gloo") if self.group is None else self.group
 
-    def _local_name(self, size: int) -> str:
+    def _local_view(self, size: int) -> tuple[Topology, dict[str, str]] | None:
+        """This rank's topology of a node of ``size`` ranks and the local candidates it refuses
+        (None on CPU, where the local backend is always ``shm``, and for a node of one rank)."""
+        if self.device.type == "cpu" or size < 2:
+            return None
+        import comm_backends
+
+        topo = measure(self.device, Placement(0, size, 0, size, 0))
+        return topo, comm_backends.refusals(topo, ("nccl", "cuda_p2p", "symm_mem"))
+
+    def _local_name(self, views: list[tuple[Topology, dict[str, str]] | None]) -> str:
+        """The node's local backend from its ranks' views (in rank order): what ``auto`` picks
+        for the node leader's topology, leaving out what any rank of the node refuses. The same
+        on every rank of the node."""
         if self.device.type == "cpu":
             return "shm"
         import comm_backends
 
-        topo = measure(self.device, Placement(0, size, 0, size, 0))
-        refused = comm_backends.refusals(topo, ("nccl", "cuda_p2p", "symm_mem"))
-        return comm_backends.choose(topo, {**refused, "hier": "nested", "gloo": "cpu"}).name
+        refused: dict[str, str] = {"hier": "nested", "gloo": "cpu"}
+        for view in views:
+            for name, reason in (view[1] if view is not None else {}).items():
+                refused.setdefault(name, reason)
+        topo = views[0][0] if views[0] is not None else None
+        if topo is None:
+            raise BackendUnavailable("allreduce backend 'hier': no topology from the node leader")
+        return comm_backends.choose(topo, refused).name
 
     def _build(self, name: str, group: dist.ProcessGroup) -> AllReduce:
         import comm_backends

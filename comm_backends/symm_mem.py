@@ -108,6 +108,10 @@ class SymmMemAllReduce(AllReduce):
     ) -> None:
         super().__init__(group, device)
         self.config = config if config is not None else SymmMemConfig.from_env()
+        if self.config.buffer_bytes < 16 or self.config.buffer_bytes % 16:
+            # Chunks must stay whole 16-byte vectors: torch's kernels check the size alignment.
+            raise BackendUnavailable("allreduce backend 'symm_mem': buffer_bytes must be a positive "
+                                     f"multiple of 16, got {self.config.buffer_bytes}")
         self._bufs: dict[torch.dtype, torch.Tensor] = {}
         self._scratch: dict[torch.dtype, torch.Tensor] = {}
         self._multimem = False
@@ -117,6 +121,11 @@ class SymmMemAllReduce(AllReduce):
             self._group_name = group.group_name
             self._agree(self._allocate)
             self._agree(self._rendezvous)
+            # The multimem and plain kernels use the signal pads differently: every rank must
+            # pick the same ones, so multicast is used only where every rank has it.
+            flags: list[object] = [None] * self.world_size
+            dist.all_gather_object(flags, self._multimem, group=self.group)
+            self._multimem = all(flag is True for flag in flags)
 
     def _agree(self, step: object) -> None:
         """Run one set-up step; if it failed on any rank, every rank raises BackendUnavailable."""
@@ -151,7 +160,7 @@ class SymmMemAllReduce(AllReduce):
         multicast = True
         for dtype in sorted(self._bufs, key=str):  # the same order on every rank
             handle = symm.rendezvous(self._bufs[dtype], self._group_name)  # once: capture-safe
-            multicast &= _multicast(handle, self.device)
+            multicast &= _multicast(handle)
         ops = torch.ops.symm_mem
         self._multimem = (
             self.config.use_multimem and multicast and all(hasattr(ops, op) for op in _OPS[2:])
@@ -201,14 +210,17 @@ class SymmMemAllReduce(AllReduce):
         self._scratch.clear()
 
 
-def _multicast(handle: object, device: torch.device) -> bool:
-    """Whether the rendezvoused buffer supports multicast (NVLS). Older torch exposes
-    ``has_multicast_support`` as a method (or attribute) of the handle; torch 2.11 binds it
-    as a static function of (device type, index), which the handle call fails on."""
-    support = getattr(handle, "has_multicast_support", False)
-    if not callable(support):
-        return bool(support)
+def _multicast(handle: object) -> bool:
+    """Whether this rendezvoused buffer has a multicast (NVLS) mapping, which the multimem
+    kernels need (they fail with "multicast support is required" without one).
+
+    That is the handle's ``multicast_ptr`` (0 without a mapping). Not
+    ``_SymmetricMemory.has_multicast_support(device_type, index)``: that only asks whether the
+    *device* could do multicast, and torch skips the group's multicast set-up with a warning
+    when creating, importing or binding the multicast object fails (no fabric manager, a
+    container without it, one rank unable), so a capable device can hold a buffer without one.
+    """
     try:
-        return bool(support())
-    except TypeError:
-        return bool(support(torch._C._autograd.DeviceType.CUDA, device.index or 0))
+        return bool(getattr(handle, "multicast_ptr", 0))
+    except RuntimeError:
+        return False

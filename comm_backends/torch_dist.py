@@ -14,7 +14,12 @@ class _TorchDistAllReduce(AllReduce):
     """Shared body: torch.distributed.all_reduce in place on ``group``."""
 
     def _all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
-        dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.group)
+        # NCCL refuses non-contiguous tensors ("Tensors must be contiguous"); the other
+        # backends accept any layout, so reduce a contiguous copy and write it back.
+        work = tensor if tensor.is_contiguous() else tensor.contiguous()
+        dist.all_reduce(work, op=dist.ReduceOp.SUM, group=self.group)
+        if work is not tensor:
+            tensor.copy_(work)
         return tensor
 
 

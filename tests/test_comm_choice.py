@@ -115,6 +115,14 @@ def test_one_rank_and_nothing_left() -> None:
         choose_backend(gpus(2), {"nccl": "needs a torch build with NCCL"})
 
 
+def test_one_gpu_does_not_need_nccl() -> None:
+    """One rank never reduces: a torch without NCCL still runs a one-GPU job under ``auto``."""
+    no_nccl = {"nccl": "needs a torch build with NCCL", "cuda_p2p": "needs cupy"}
+    assert pick(gpus(1), no_nccl).name == "symm_mem"
+    with pytest.raises(NoBackend):
+        pick(gpus(1), {**no_nccl, "symm_mem": "no symmetric memory"})
+
+
 # ---------------------------------------------------------------------------- measuring
 class FakeProbe:
     """Four GPUs: 0-1 and 2-3 NVLink pairs, P2P everywhere, atomics only within pairs."""
