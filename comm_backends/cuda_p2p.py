@@ -18,8 +18,9 @@ P2P that is advertised but does not deliver (IOMMU/ACS) is refused at start-up.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import Any, ClassVar
+from typing import Any, ClassVar, NoReturn
 
 import numpy
 import torch
@@ -39,6 +40,17 @@ from comm_backends.topology import Topology, node_key
 
 _KIND = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
 _MiB = 1 << 20
+# cudaMalloc may sub-allocate a request from a larger block, and CUDA IPC then exports (and a
+# peer's cudaIpcOpenMemHandle maps, from its start) that whole block, not the request: a
+# sub-allocated buffer would be opened at the wrong address. The CUDA Programming Guide's IPC
+# section recommends sharing only allocations whose size is a multiple of 2 MiB.
+IPC_GRANULARITY = 2 * _MiB
+
+
+def ipc_alloc_bytes(buffer_bytes: int) -> int:
+    """Bytes to cudaMalloc for the signal area plus ``buffer_bytes``: a multiple of 2 MiB, so
+    the allocation is a block of its own and its IPC handle maps exactly it, at offset 0."""
+    return -(-(SIGNAL_BYTES + buffer_bytes) // IPC_GRANULARITY) * IPC_GRANULARITY
 
 
 @dataclass(frozen=True)
@@ -120,6 +132,7 @@ class CudaP2PAllReduce(AllReduce):
         self._dev = device.index if device.index is not None else torch.cuda.current_device()
         self._peers: list[int] = []  # IPC-opened peer base pointers, closed in close()
         self._base = 0
+        self._closed = False
         self._streams: dict[int, Any] = {}
         self._kernels: dict[str, Any] = {}
         self._views: dict[torch.dtype, torch.Tensor] = {}
@@ -138,30 +151,51 @@ class CudaP2PAllReduce(AllReduce):
         import cupy
 
         rt = cupy.cuda.runtime
-        self._base = rt.malloc(SIGNAL_BYTES + self.config.buffer_bytes)
-        rt.memset(self._base, 0, SIGNAL_BYTES)
-        rt.deviceSynchronize()
-        sms = torch.cuda.get_device_properties(self._dev).multi_processor_count
-        # One rank opens no peer's memory: no IPC handle, which a runtime without CUDA IPC
-        # (a sandboxed machine) would refuse.
-        handle = rt.ipcGetMemHandle(self._base) if self.world_size > 1 else None
-        mine = (self._dev, sms, handle)
-        found = self._exchange((node_key(), mine))
+        # A step that fails on one rank only must fail on all of them: the others would
+        # otherwise wait in the next collective (the exchange, the barrier) for a rank that
+        # has already raised. So every step's error travels in the next exchange.
+        sms, handle, problem = 0, None, None
+        try:
+            sms = torch.cuda.get_device_properties(self._dev).multi_processor_count
+            self._base = rt.malloc(ipc_alloc_bytes(self.config.buffer_bytes))
+            rt.memset(self._base, 0, SIGNAL_BYTES)
+            rt.deviceSynchronize()
+            # One rank opens no peer's memory: no IPC handle, which a runtime without CUDA IPC
+            # (a sandboxed machine) would refuse.
+            handle = rt.ipcGetMemHandle(self._base) if self.world_size > 1 else None
+        except Exception as exc:  # CUDARuntimeError (out of memory, no IPC), ...
+            problem = f"rank {self.rank}: {one_line(exc)}"
+        found = self._exchange((node_key(), (self._dev, sms, handle, problem)))
         entries = [entry for _, entry in found]
         nodes = len({key for key, _ in found})
-        problem = (f"allreduce backend 'cuda_p2p' works within one node, but its ranks span {nodes} "
-                   "nodes" if nodes > 1 else _peer_access_problem([dev for dev, _, _ in entries]))
+        failed = [p for _, _, _, p in entries if p is not None]
+        if nodes > 1:
+            problem = (f"allreduce backend 'cuda_p2p' works within one node, but its ranks span "
+                       f"{nodes} nodes")
+        elif failed:
+            problem = "allreduce backend 'cuda_p2p' failed to set up: " + "; ".join(failed)
+        else:
+            problem = _peer_access_problem([dev for dev, _, _, _ in entries])
         if problem is not None:
-            self.close()
-            raise BackendUnavailable(problem)
+            self._fail(problem)
         # Same grid on every rank (blocks meet their namesakes), and all of it resident at once
         # so no block waits on a peer block that cannot be scheduled.
-        self._max_blocks = max(1, min(MAX_BLOCKS, *(n for _, n, _ in entries)))
+        self._max_blocks = max(1, min(MAX_BLOCKS, *(n for _, n, _, _ in entries)))
+        self._agree("opening the peers' buffers", lambda: self._map(entries))
+        self._barrier()  # every flag area is zeroed before anyone's first kernel writes to it
+
+    def _map(self, entries: list[tuple[int, int, bytes | None, str | None]]) -> None:
+        """Open every peer's buffer (IPC), build the kernels' pointer table, compile."""
+        import cupy
+
+        rt = cupy.cuda.runtime
         bases = []
-        for rank, (_, _, handle) in enumerate(entries):
+        for rank, (_, _, handle, _) in enumerate(entries):
             if rank == self.rank:
                 bases.append(self._base)
             else:
+                # Opened on this rank's device (current here); the handle maps the peer's
+                # whole allocation from its start, which is the peer's base (ipc_alloc_bytes).
                 self._peers.append(rt.ipcOpenMemHandle(handle))
                 bases.append(self._peers[-1])
         zeros = [0] * (MAX_RANKS - self.world_size)
@@ -173,7 +207,27 @@ class CudaP2PAllReduce(AllReduce):
         raw = cupy.ndarray((self.config.buffer_bytes,), cupy.uint8, cupy.cuda.MemoryPointer(mem, 0))
         self._mine = torch.from_dlpack(raw)
         rt.deviceSynchronize()
-        self._barrier()  # every flag area is zeroed before anyone's first kernel writes to it
+
+    def _agree(self, what: str, step: Callable[[], None]) -> None:
+        """Run one set-up step; if it failed on any rank, every rank closes and raises
+        BackendUnavailable naming the ranks and their errors (none is left waiting)."""
+        problem = None
+        try:
+            step()
+        except Exception as exc:  # CUDARuntimeError, cupy's CompileException, ...
+            problem = f"rank {self.rank}: {one_line(exc)}"
+        failed = [p for p in self._exchange(problem) if p is not None]
+        if failed:
+            self._fail(f"allreduce backend 'cuda_p2p' failed to set up ({what}): " + "; ".join(failed))
+
+    def _fail(self, message: str) -> NoReturn:
+        """Set-up failed on every rank alike: release what this rank holds (collectively) and
+        raise the one-line refusal, which a second error while closing must not replace."""
+        try:
+            self.close()
+        except Exception:  # e.g. a sticky CUDA error: the refusal below says more
+            pass
+        raise BackendUnavailable(message)
 
     def _self_test(self) -> None:
         """One small allreduce under a short limit, checked on every rank: refuses P2P that is
@@ -187,14 +241,12 @@ class CudaP2PAllReduce(AllReduce):
             self.check()
             if not bool((x == expected).all()):
                 problem = f"rank {self.rank} got a wrong sum from the self-test allreduce"
-        except RuntimeError as exc:
+        except Exception as exc:  # any failure here must reach the exchange, or peers wait
             problem = one_line(exc)
         problems = self._exchange(problem)
         failed = [p for p in problems if p is not None]
         if failed:
-            self.close()
-            raise BackendUnavailable("allreduce backend 'cuda_p2p' failed its set-up self-test: "
-                                     + "; ".join(failed))
+            self._fail("allreduce backend 'cuda_p2p' failed its set-up self-test: " + "; ".join(failed))
 
     def check(self) -> None:
         raise_if_failed(self._error_word, self.rank, self._timeout_ns / 1e9)
@@ -269,22 +321,34 @@ class CudaP2PAllReduce(AllReduce):
 
     # ----------------------------------------------------------------- teardown
     def close(self) -> None:
-        """Collective: peers unmap this rank's buffer before anyone frees their own."""
-        if not self._base:
+        """Collective: peers unmap this rank's buffer before anyone frees their own. Every
+        rank calls it once (a failed set-up step closes on all ranks together); idempotent.
+        The barrier is reached even when unmapping fails, so no peer is left waiting."""
+        if self._closed:
             return
-        import cupy
-
-        rt = cupy.cuda.runtime
+        self._closed = True
+        error: Exception | None = None
         with torch.cuda.device(self._dev):
-            torch.cuda.synchronize(self._dev)
-            for ptr in self._peers:
-                rt.ipcCloseMemHandle(ptr)
-            self._peers.clear()
+            rt = None
+            if self._base or self._peers:
+                import cupy
+
+                rt = cupy.cuda.runtime
+                try:
+                    torch.cuda.synchronize(self._dev)
+                    for ptr in self._peers:
+                        rt.ipcCloseMemHandle(ptr)
+                except Exception as exc:  # raised after the barrier
+                    error = exc
+                self._peers.clear()
             self._views.clear()
             self._mine = None
             try:
                 self._barrier()
             except Exception:  # the group is already gone: nobody can map us any more either
                 pass
-            rt.free(self._base)
-            self._base = 0
+            if rt is not None and self._base:
+                rt.free(self._base)
+                self._base = 0
+        if error is not None:
+            raise error

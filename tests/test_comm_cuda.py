@@ -83,6 +83,54 @@ def test_refusal_reasons_say_what_is_missing() -> None:
         comm_backends.resolve_auto(cuda, 2)
 
 
+def test_cuda_p2p_allocates_whole_ipc_blocks() -> None:
+    """cudaMalloc may sub-allocate a small request from a larger block; CUDA IPC shares (and
+    a peer opens, from its start) the whole block, so only 2 MiB multiples map at offset 0."""
+    from comm_backends.cuda_p2p import IPC_GRANULARITY, ipc_alloc_bytes
+    from comm_backends.cuda_p2p_kernels import SIGNAL_BYTES
+
+    assert IPC_GRANULARITY == 2 << 20
+    for buffer_bytes in (16, 64 << 10, (2 << 20) - SIGNAL_BYTES, 2 << 20, 8 << 20, 100 << 20):
+        size = ipc_alloc_bytes(buffer_bytes)
+        assert size % IPC_GRANULARITY == 0 and size >= SIGNAL_BYTES + buffer_bytes
+        assert size - IPC_GRANULARITY < SIGNAL_BYTES + buffer_bytes  # no more than needed
+    assert ipc_alloc_bytes((2 << 20) - SIGNAL_BYTES) == 2 << 20
+
+
+def _scenario_setup_step_fails_on_one_rank(rank: int, world: int) -> str:
+    """cuda_p2p's set-up agreement without a GPU: the last rank's step fails, the others'
+    succeed; every rank must raise the same one-line error instead of waiting for it."""
+    from comm_backends.cuda_p2p import CudaP2PAllReduce
+
+    backend = object.__new__(CudaP2PAllReduce)
+    AllReduce.__init__(backend, None, torch.device("cpu"))
+    # No device (-1: torch.cuda.device is a no-op) and nothing mapped: close() only meets.
+    backend._dev, backend._closed, backend._base, backend._peers, backend._views = -1, False, 0, [], {}
+
+    def step() -> None:
+        if rank == world - 1:
+            raise RuntimeError("cudaErrorMapBufferObjectFailed:\nmapping of buffer object failed")
+
+    try:
+        backend._agree("opening the peers' buffers", step)
+    except BackendUnavailable as exc:
+        assert backend._closed
+        backend.close()  # idempotent: no second barrier that the peers would not meet
+        dist.barrier()  # and the group still pairs up afterwards
+        return str(exc)
+    return "no error"
+
+
+def test_cuda_p2p_set_up_failure_on_one_rank_fails_every_rank(tmp_path: Path) -> None:
+    world = 2
+    messages = run_world(world, _scenario_setup_step_fails_on_one_rank, tmp_path)
+    for rank in range(world):
+        message = messages[rank]
+        assert message.startswith("allreduce backend 'cuda_p2p' failed to set up"), message
+        assert f"rank {world - 1}: cudaErrorMapBufferObjectFailed: mapping" in message
+        assert "\n" not in message
+
+
 @pytest.mark.skipif(not HAS_CUDA or HAS_CUPY, reason="checks the no-cupy refusal on a GPU machine")
 def test_cuda_p2p_names_the_missing_cupy() -> None:
     reason = comm_backends.unavailable_reason("cuda_p2p", torch.device("cuda", 0), 1)
