@@ -4,15 +4,19 @@
 #
 #   launch/gpu_check.sh [SUMMARY.json]        # default: $OUT/gpu_check.json, else ./gpu_check_out/
 #   REQUIRE=cuda_p2p,symm_mem launch/gpu_check.sh   # a refusal or skip of these fails the gate
-#   STEP_TIMEOUT=300 BUDGET_S=1500 PYTHON=.venv/bin/python launch/gpu_check.sh
+#   STEP_TIMEOUT=300 SERVE_TIMEOUT=180 BUDGET_S=1500 PYTHON=.venv/bin/python launch/gpu_check.sh
 #
 # Steps, cheapest and most telling first: versions and the P2P / atomics / NVLink matrix (and
-# auto's choice); the demo model served on one GPU with a sampled and a greedy request; the
-# `-m gpu` tests; the comm tests at every available GPU count; the decode table; with 2+ GPUs a
-# TP=N server per backend and comm_backends.bench with correctness. Without a GPU it prints one
-# line and exits 1. Needs torch with CUDA, pytest, cupy for cuda_p2p (pip install
-# 'tpserve[gpu,test,bench]'); where nothing can be installed, `launch/gpu_wheels.sh` fetches the
-# rest elsewhere into .whl/, which this script installs into a scratch directory first.
+# auto's choice); the demo model served on one GPU with a sampled and a greedy request; with 2+
+# GPUs a TP=N server per backend (N: the most GPUs, up to 8, that divide the demo's 8 heads) and
+# comm_backends.bench with correctness; then the `-m gpu` tests; the comm tests at every
+# available GPU count; the decode table. The multi-GPU steps come before the test suites,
+# which alone can outlast the budget, so that a multi-GPU host always gets its TP=N results;
+# a server check gets SERVE_TIMEOUT (start-up to shutdown), so one that hangs costs the others
+# only that. Without a GPU it prints one line and exits 1. Needs torch with CUDA, pytest, cupy
+# for cuda_p2p (pip install 'tpserve[gpu,test,bench]'); where nothing can be installed,
+# `launch/gpu_wheels.sh` fetches the rest elsewhere into .whl/, which this script installs into
+# a scratch directory first.
 #
 # Every step runs inside one budget (BUDGET_S, default 540 s: a lent GPU machine runs one
 # command for at most 10 minutes): a step gets at most what is left, one that cannot start is
@@ -26,6 +30,8 @@ SUMMARY=$(realpath -m "${SUMMARY:-gpu_check_out/gpu_check.json}")  # before cd: 
 cd "$(dirname "$0")/.." || exit 1
 PY=${PYTHON:-$(command -v python || command -v python3)}
 STEP_TIMEOUT=${STEP_TIMEOUT:-300}
+SERVE_TIMEOUT=${SERVE_TIMEOUT:-180}  # one demo server: start-up, four requests, shutdown
+BENCH_TIMEOUT=${BENCH_TIMEOUT:-180}  # 13 sizes x 3 backends, each capped at 2 s, plus start-up
 DEADLINE=$(( $(date +%s) + ${BUDGET_S:-540} ))
 export REQUIRE=${REQUIRE:-}
 
@@ -75,10 +81,22 @@ sys.exit(0 if ok else 1)
 PYEOF
 }
 
+# reap TAG: SIGKILL every process a step left behind (found by the tag in its environment).
+# torchrun starts each rank in a session of its own, so `timeout -s KILL`, which kills its own
+# process group, never reaches them: ranks left running would hold their GPUs and memory and
+# fail every later step.
+reap() {
+    local pid
+    for pid in $(grep -lsxzF "GPU_CHECK_STEP=$1" /proc/[0-9]*/environ 2>/dev/null | cut -d/ -f3); do
+        kill -KILL "$pid" 2>/dev/null
+    done
+}
+
 # step NAME LIMIT_S CMD...: run CMD under `timeout -s KILL` (LIMIT_S or what is left of the
 # budget, whichever is less), log it, record the outcome. Exit 0 = pass, 137 = timeout, else a
 # failure; with SKIPPABLE=1 (the server checks only), 3 = skipped (a refusal of a backend not in
-# REQUIRE): pytest's own 3 is an internal error.
+# REQUIRE): pytest's own 3 is an internal error. CMD sees its limit as STEP_LIMIT (the server
+# check stops its server before it); whatever it leaves running is reaped.
 step() {
     local name=$1 limit=$2
     shift 2
@@ -92,8 +110,9 @@ step() {
         status=not_run
     else
         echo "== $name (limit ${limit}s)"
-        timeout -s KILL "$limit" "$@" > "$log" 2>&1
+        GPU_CHECK_STEP="$name.$$" STEP_LIMIT=$limit timeout -s KILL "$limit" "$@" > "$log" 2>&1
         rc=$?
+        reap "$name.$$"
         case $rc in
             0) status=pass ;;
             137) status=timeout ;;
@@ -112,12 +131,28 @@ step() {
 
 # serve_check NAME RANKS BACKEND: the demo model on CUDA, one sampled + one greedy request.
 serve_check() {
-    SKIPPABLE=1 step "$1" "$STEP_TIMEOUT" "$PY" -m launch.gpu_serve_check --device cuda \
+    SKIPPABLE=1 step "$1" "$SERVE_TIMEOUT" "$PY" -m launch.gpu_serve_check --device cuda \
         --ranks "$2" --allreduce "$3" --json "$LOGS/$1.json" --log "$LOGS/$1.server.log"
 }
 
 step versions_topology 120 "$PY" -m comm_backends.topology_report --json "$LOGS/topology.json"
 serve_check serve_tp1 1 auto
+
+if [ "$NGPU" -ge 2 ]; then
+    # The demo model has 8 heads: TP must divide them (6 GPUs serve at TP=4, not 6).
+    NPROC=1
+    while (( NPROC * 2 <= NGPU && NPROC * 2 <= 8 )); do NPROC=$(( NPROC * 2 )); done
+    for backend in auto nccl cuda_p2p symm_mem hier; do
+        serve_check "serve_tp${NPROC}_${backend}" "$NPROC" "$backend"
+    done
+    BENCH_PROCS=$(( NGPU > 8 ? 8 : NGPU ))
+    optional=$(echo nccl,cuda_p2p,symm_mem | tr ',' '\n' | grep -vxF -f <(echo "$REQUIRE" | tr ',' '\n') | paste -sd, -)
+    step comm_bench "$BENCH_TIMEOUT" "$PY" -m torch.distributed.run --standalone --nproc-per-node "$BENCH_PROCS" \
+        -m comm_backends.bench --backends nccl,cuda_p2p,symm_mem --optional "$optional" \
+        --sizes 4K,8K,14K,64K,256K,1M,8M --decode-sizes --dtype bf16 --iters 200 --max-seconds 2 \
+        --json "$LOGS/comm_bench.json" --plot "$LOGS/comm_bench.png"
+fi
+
 # Only the files that hold GPU tests: collecting all of tests/ imports the CPU suite's
 # test-only packages (schemathesis, openai), which a GPU image need not have.
 mapfile -t GPU_TESTS < <(grep -l "mark\.gpu" tests/test_*.py)
@@ -126,17 +161,5 @@ step gpu_marked_tests "$STEP_TIMEOUT" "$PY" -m pytest -q -rs -m gpu "${GPU_TESTS
 step comm_tests "$STEP_TIMEOUT" "$PY" -m pytest -q -rs tests/test_comm_cuda.py \
     tests/test_cuda_kernel_source.py tests/test_cuda_p2p_flag.py
 step decode_table "$STEP_TIMEOUT" "$PY" -m launch.gpu_decode_table --json "$LOGS/decode_table.json"
-
-if [ "$NGPU" -ge 2 ]; then
-    NPROC=$(( NGPU > 8 ? 8 : NGPU ))
-    for backend in auto nccl cuda_p2p symm_mem hier; do
-        serve_check "serve_tp${NPROC}_${backend}" "$NPROC" "$backend"
-    done
-    optional=$(echo nccl,cuda_p2p,symm_mem | tr ',' '\n' | grep -vxF -f <(echo "$REQUIRE" | tr ',' '\n') | paste -sd, -)
-    step comm_bench "$STEP_TIMEOUT" "$PY" -m torch.distributed.run --standalone --nproc-per-node "$NPROC" \
-        -m comm_backends.bench --backends nccl,cuda_p2p,symm_mem --optional "$optional" \
-        --sizes 4K,8K,14K,64K,256K,1M,8M --decode-sizes --dtype bf16 --iters 200 --max-seconds 2 \
-        --json "$LOGS/comm_bench.json" --plot "$LOGS/comm_bench.png"
-fi
 
 summarise 1

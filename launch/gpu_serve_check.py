@@ -9,6 +9,14 @@ the sampled one (temperature 1, a fixed seed) and the greedy one must each repea
 Exit status: 0 passed; 1 failed (including a refusal of a backend in ``--require``, default
 env REQUIRE); 3 the server refused the backend at start-up (one line, exit 2) and it was not
 required: the gate records that as skipped, not passed.
+
+Time: the whole check (start-up, requests, shutdown) fits in ``--budget`` seconds (default:
+the gate's ``STEP_LIMIT`` less a margin, else 300), so it always writes its JSON and stops the
+server itself before the gate's ``timeout -s KILL`` could. That matters at TP > 1: torchrun
+starts every rank in a session of its own, so a kill of this script and of torchrun would
+leave the ranks running, holding their GPUs and memory, and every later step would fail on
+them. A server that is not healthy in time, or a request that does not come back in time (a
+hung collective), is a failure, and the server's whole process tree is killed at once.
 """
 
 from __future__ import annotations
@@ -31,6 +39,9 @@ from launch.ports import free_port
 REFUSED = 3
 PORT_TRIES = 3
 PROMPT = "def fib(n):"
+DEFAULT_BUDGET_S = 300.0
+GATE_MARGIN_S = 10.0  # kept back from the gate's STEP_LIMIT (interpreter start, JSON, exit)
+STOP_RESERVE_S = 30.0  # kept back for stopping the server (graceful, then killed)
 
 
 def command(ranks: int, port: int, ns: argparse.Namespace) -> list[str]:
@@ -42,13 +53,27 @@ def command(ranks: int, port: int, ns: argparse.Namespace) -> list[str]:
             str(ranks), *flags]
 
 
+def default_budget() -> float:
+    """The gate's limit for this step (``STEP_LIMIT``, set by gpu_check.sh) less a margin."""
+    limit = os.environ.get("STEP_LIMIT")
+    if not limit:
+        return DEFAULT_BUDGET_S
+    return max(1.0, float(limit) - GATE_MARGIN_S)
+
+
+def left(deadline: float, cap: float | None = None) -> float:
+    """Seconds until ``deadline`` (at least a little, at most ``cap``)."""
+    remaining = max(0.5, deadline - time.monotonic())
+    return remaining if cap is None else min(cap, remaining)
+
+
 def wait_ready(url: str, proc: subprocess.Popen, deadline: float) -> bool:
     """True once /health is 200; False if the server exited first."""
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             return False
         try:
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
+            if httpx.get(url + "/health", timeout=left(deadline, 2)).status_code == 200:
                 return True
         except httpx.HTTPError:
             pass
@@ -56,31 +81,36 @@ def wait_ready(url: str, proc: subprocess.Popen, deadline: float) -> bool:
     raise TimeoutError(f"server not healthy within the limit at {url}")
 
 
-def generate(url: str, temperature: float) -> dict[str, Any]:
+def generate(url: str, temperature: float, deadline: float) -> dict[str, Any]:
     params: dict[str, Any] = {"max_new_tokens": 32, "temperature": temperature,
                               "ignore_eos": True}
     if temperature > 0:
         params["seed"] = 7
     start = time.perf_counter()
     reply = httpx.post(url + "/generate", json={"text": PROMPT, "sampling_params": params},
-                       timeout=300)
+                       timeout=left(deadline))
     reply.raise_for_status()
     body = reply.json()
     return {"output_ids": body["output_ids"], "seconds": time.perf_counter() - start}
 
 
-def exercise(url: str) -> dict[str, Any]:
-    """Each request twice; failures are listed, not raised, so the JSON shows all of them."""
+def exercise(url: str, deadline: float) -> dict[str, Any]:
+    """Each request twice; failures are listed, not raised, so the JSON shows all of them.
+    A request that fails or does not come back by ``deadline`` ends the exercise."""
     result: dict[str, Any] = {"problems": []}
-    for name, temperature in (("sampled", 1.0), ("greedy", 0.0)):
-        first, second = generate(url, temperature), generate(url, temperature)
-        result[name] = first
-        if len(first["output_ids"]) != 32:
-            result["problems"].append(f"{name}: {len(first['output_ids'])} tokens, expected 32")
-        if first["output_ids"] != second["output_ids"]:
-            result["problems"].append(f"{name}: the same request gave a different output")
-    info = httpx.get(url + "/get_server_info", timeout=30).json()
-    result["active"] = info.get("active")
+    try:
+        for name, temperature in (("sampled", 1.0), ("greedy", 0.0)):
+            first = generate(url, temperature, deadline)
+            second = generate(url, temperature, deadline)
+            result[name] = first
+            if len(first["output_ids"]) != 32:
+                result["problems"].append(f"{name}: {len(first['output_ids'])} tokens, expected 32")
+            if first["output_ids"] != second["output_ids"]:
+                result["problems"].append(f"{name}: the same request gave a different output")
+        info = httpx.get(url + "/get_server_info", timeout=left(deadline, 30)).json()
+        result["active"] = info.get("active")
+    except httpx.HTTPError as exc:  # a timeout too: a hung step never answers
+        result["problems"].append(f"request failed: {type(exc).__name__}: {exc}")
     return result
 
 
@@ -97,23 +127,30 @@ def descendants(pid: int) -> list[int]:
     return found
 
 
-def stop(proc: subprocess.Popen) -> int:
-    """SIGTERM (torchrun forwards it to every rank), then SIGKILL to the whole tree.
-
-    The server stays in this process's group, so the gate's ``timeout -s KILL`` takes it
-    down with this script if the script itself runs out of time.
-    """
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
+def kill_tree(proc: subprocess.Popen) -> None:
+    """SIGKILL the server and everything under it. torchrun's ranks run in sessions of their
+    own, so neither the gate's ``timeout -s KILL`` nor a kill of torchrun reaches them: they
+    are found through /proc (before anything is killed, while they are still its children)."""
+    for pid in [*descendants(proc.pid), proc.pid]:
         try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            for pid in [*descendants(proc.pid), proc.pid]:
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-            proc.wait()
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    proc.wait()
+
+
+def stop(proc: subprocess.Popen, grace: float = 60) -> int:
+    """SIGTERM (torchrun forwards it to every rank) and up to ``grace`` seconds for a clean
+    exit, then SIGKILL to the whole tree; ``grace`` 0 kills it at once (a failed server)."""
+    if proc.poll() is None:
+        if grace > 0:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=grace)
+            except subprocess.TimeoutExpired:
+                kill_tree(proc)
+        else:
+            kill_tree(proc)
     return proc.returncode
 
 
@@ -128,24 +165,35 @@ def refusals(log: str, allreduce: str, ranks: int) -> list[str]:
             if line.startswith("error: ") and "allreduce backend" in line]
 
 
-def run(ns: argparse.Namespace, log: Path) -> tuple[int, dict[str, Any]]:
+def run(ns: argparse.Namespace, log: Path, end: float) -> tuple[int, dict[str, Any]]:
+    """One server start and check, all of it (the stop included) before ``end``."""
     port = free_port()
     url = f"http://127.0.0.1:{port}"
+    work_by = end - min(STOP_RESERVE_S, (end - time.monotonic()) / 4)
+    ready_by = work_by if ns.timeout is None else min(work_by, time.monotonic() + ns.timeout)
     with open(log, "w") as out:
         proc = subprocess.Popen(command(ns.ranks, port, ns), stdout=out, stderr=subprocess.STDOUT,
                                 env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    grace = 0.0  # anything but a completed exercise kills the server at once
     try:
-        ready = wait_ready(url, proc, time.monotonic() + ns.timeout)
+        try:
+            ready = wait_ready(url, proc, ready_by)
+        except TimeoutError as exc:
+            return 1, {"error": str(exc), "log": log.read_text()[-3000:]}
         if not ready:
             refusal = refusals(log.read_text(), ns.allreduce, ns.ranks)
             if proc.returncode not in (0, None) and refusal:
                 required = ns.allreduce in ns.require
                 return (1 if required else REFUSED), {"refused": refusal[-1], "required": required}
             return 1, {"error": f"server exited with {proc.returncode}", "log": log.read_text()[-3000:]}
-        result = exercise(url)
+        result = exercise(url, work_by)
+        if not result["problems"]:
+            grace = max(1.0, end - time.monotonic() - 5)
     finally:
-        code = stop(proc)
+        code = stop(proc, min(60.0, grace))
     result["exit_code"] = code
+    if result["problems"]:
+        result["log"] = log.read_text()[-3000:]
     return (1 if result["problems"] else 0), result
 
 
@@ -156,18 +204,23 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--allreduce", default="auto")
     p.add_argument("--device", default="cuda")
     p.add_argument("--require", default=os.environ.get("REQUIRE", ""))
-    p.add_argument("--timeout", type=float, default=300, help="seconds to become healthy")
+    p.add_argument("--timeout", type=float, default=None,
+                   help="seconds to become healthy (default: what the budget leaves)")
+    p.add_argument("--budget", type=float, default=None,
+                   help="seconds for the whole check, the stop included (default: the gate's "
+                        "STEP_LIMIT less a margin, else 300)")
     p.add_argument("--json", default=None)
     p.add_argument("--log", default=None, help="server log (default: a temporary file)")
     p.add_argument("extra", nargs="*", help="more tpserve flags (after --)")
     ns = p.parse_args(argv)
     ns.require = {n.strip() for n in ns.require.split(",") if n.strip()}
     log = Path(ns.log) if ns.log else Path(tempfile.mkdtemp(prefix="tpserve-check-")) / "server.log"
+    end = time.monotonic() + (ns.budget if ns.budget is not None else default_budget())
     for _ in range(PORT_TRIES):
-        code, result = run(ns, log)
+        code, result = run(ns, log, end)
         # A port free_port() saw free but another process's connection took before the server
         # bound it: a new port, not a failed check (one device run is all a GPU session gets).
-        if "address already in use" not in result.get("log", "").lower():
+        if "error" not in result or "address already in use" not in result.get("log", "").lower():
             break
     result.update(ranks=ns.ranks, allreduce=ns.allreduce, device=ns.device, status=code)
     print(json.dumps(result))

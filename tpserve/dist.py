@@ -51,6 +51,12 @@ def rank_info(device_flag: str) -> RankInfo:
     kind = device_flag if device_flag != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     if kind == "cuda" and not torch.cuda.is_available():
         raise ConfigError("--device cuda requested but CUDA is not available", flag="--device")
+    if kind == "cuda" and where.local_rank >= torch.cuda.device_count():
+        # Local rank i serves GPU i: more ranks than GPUs on a node would otherwise die in
+        # set_device with a bare "invalid device ordinal".
+        raise ConfigError(f"local rank {where.local_rank} has no GPU of its own: "
+                          f"{torch.cuda.device_count()} visible on this node; launch at most "
+                          "that many ranks per node (--nproc-per-node)", flag="--device")
     device = torch.device(f"cuda:{where.local_rank}") if kind == "cuda" else torch.device("cpu")
     return RankInfo(where.rank, where.world_size, where.local_rank, where.local_world_size,
                     device, where.node_rank)
@@ -77,9 +83,15 @@ def init_process_group(info: RankInfo, timeout_s: float) -> None:
     if info.world_size == 1 or dist.is_initialized():
         return
     backend = "cpu:gloo,cuda:nccl" if info.device.type == "cuda" else "gloo"
+    extra: dict[str, Any] = {}
     if info.device.type == "cuda":
+        # Bind this rank to its GPU before anything touches CUDA, and give NCCL the device:
+        # the communicator is then created now, on this GPU (not guessed from the rank, not
+        # lazily at the first NCCL op: with cuda_p2p / symm_mem active that is the head's
+        # all-gather, after the KV cache was sized from the free memory).
         torch.cuda.set_device(info.device)
-    dist.init_process_group(backend=backend, timeout=timedelta(seconds=timeout_s))
+        extra["device_id"] = info.device
+    dist.init_process_group(backend=backend, timeout=timedelta(seconds=timeout_s), **extra)
 
 
 # Opaque to torch.compile (--compile at TP > 1): a collective is a graph break, and dynamo must

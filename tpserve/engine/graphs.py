@@ -34,7 +34,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -91,6 +91,10 @@ class CudaGraphExecutor:
         if bucket is None or fb.attn.max_kv_len > self.cfg.max_keys:
             return None
         cap = graphs[bucket]
+        if not _fits_mask(cap.batch, fb):
+            # A live tree-shape change (admin) widened the speculative mask past the width
+            # captured at launch: eager, like any batch no graph fits (the same on all ranks).
+            return None
         padded = pad_forward_batch(fb, bucket)
         _copy_inputs(cap.batch, padded)
         for backend in cap.backends:
@@ -105,18 +109,33 @@ class CudaGraphExecutor:
     def refresh(self, forwards: list[StaticForward]) -> None:
         """Recapture just ``forwards`` (e.g. verify/draft after a live speculative change)."""
         for forward in forwards:
-            if forward.name in self.graphs:
+            if forward.name in self.forwards:
                 self._drop(forward.name)
-                self.capture(forward)
+                self.forwards[forward.name] = forward  # kept even while not captured
+                if self.capturable():
+                    self.capture(forward)
 
     def on_backend_change(self) -> None:
         """Captured collectives belong to the backend active at capture: recapture them all
-        (every rank does this between the same two steps, so the captures pair up)."""
+        (every rank does this between the same two steps, so the captures pair up). A
+        backend that does not declare ``capture_safe`` (start-up refuses it as the first one)
+        gets no graphs: every forward runs eagerly until a capture-safe one is active again."""
         self.backend = self.comm.active_name if self.comm is not None else None
         self.info["allreduce"] = self.backend
-        for forward in list(self.forwards.values()):
+        forwards = list(self.forwards.values())
+        for forward in forwards:
             self._drop(forward.name)
+        if not self.capturable():
+            log.warning("allreduce backend '%s' is not CUDA-graph capture-safe: decode, draft "
+                        "and verify run eagerly while it is active", self.backend)
+            return
+        for forward in forwards:
             self.capture(forward)
+
+    def capturable(self) -> bool:
+        """Whether the active backend's collectives may be captured (any backend at TP = 1)."""
+        active = self.comm.active if self.comm is not None else None
+        return active is None or active.world_size == 1 or bool(active.capture_safe)
 
     def _drop(self, name: str) -> None:
         for cap in self.graphs.pop(name, {}).values():
@@ -125,7 +144,16 @@ class CudaGraphExecutor:
 
     @torch.inference_mode()
     def capture(self, forward: StaticForward, progress: Callable[[str], None] = log.info) -> None:
-        """Capture ``forward`` for every bucket (largest first, so later ones fit its pool)."""
+        """Capture ``forward`` for every bucket (largest first, so later ones fit its pool).
+
+        Under this executor's device as the current one: the current device is per thread,
+        and a live recapture runs on rank 0's engine thread, not the thread that chose the
+        device; torch makes its shared capture stream on the device current at the first
+        capture (one device per process here)."""
+        with torch.cuda.device(self.device) if self.device.type == "cuda" else nullcontext():
+            self._capture_all(forward, progress)
+
+    def _capture_all(self, forward: StaticForward, progress: Callable[[str], None]) -> None:
         torch.cuda.synchronize(self.device)
         free_before = torch.cuda.mem_get_info(self.device)[0]
         start = time.perf_counter()
@@ -184,12 +212,24 @@ def _copy_inputs(static: ForwardBatch, fb: ForwardBatch) -> None:
     static.positions.copy_(fb.positions, non_blocking=True)
     for name in ("q_indptr", "kv_lens", "write_slots"):
         getattr(dst, name).copy_(getattr(src, name), non_blocking=True)
-    dst.page_table[:, : src.page_table.shape[1]].copy_(src.page_table, non_blocking=True)
+    # A plan's table is as wide as its longest page list, which may hold pages reserved past
+    # the captured width (the speculative reserve near the context limit); attention never
+    # reads them (``run`` checked every key count against ``max_keys``).
+    cols = min(src.page_table.shape[1], dst.page_table.shape[1])
+    dst.page_table[:, :cols].copy_(src.page_table[:, :cols], non_blocking=True)
     if dst.custom_mask is not None and src.custom_mask is not None:
         width = src.custom_mask.shape[2]
         dst.custom_mask[:, :, :width].copy_(src.custom_mask, non_blocking=True)
         dst.custom_mask[:, :, width:].zero_()
         dst.mask_start.copy_(src.mask_start, non_blocking=True)
+
+
+def _fits_mask(static: ForwardBatch, fb: ForwardBatch) -> bool:
+    """Whether ``fb``'s speculative mask (if any) fits the captured one's width."""
+    src, dst = fb.attn.custom_mask, static.attn.custom_mask
+    if src is None:
+        return True
+    return dst is not None and src.shape[2] <= dst.shape[2]
 
 
 @contextmanager
