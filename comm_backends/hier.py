@@ -55,6 +55,12 @@ class HierAllReduce(AllReduce):
         self.nodes = 1
         if self.world_size > 1:
             self._setup()
+        # Capture-safe exactly when its parts are (on CUDA: nccl, cuda_p2p or symm_mem, and
+        # NCCL across nodes): the rest of a call is tensor work on the device, and it times
+        # its parts (a device sync) only while statistics are on, which capture turns off.
+        # Per instance, since it depends on what this node built.
+        self.capture_safe = all(inner.capture_safe for inner in (self._local, self._cross)
+                                if inner is not None)  # type: ignore[misc]
 
     def _setup(self) -> None:
         objects = self._object_group()  # built once: every rank creates the same groups

@@ -45,6 +45,7 @@ def _scenario_hier(rank: int, world: int, layout: tuple[int, ...]) -> dict[str, 
     parts = {k: v["calls"] for k, v in backend.stats.snapshot().get("parts", {}).items()}
     gathered = backend.all_gather(torch.full((2, 3), float(rank)))
     assert torch.equal(gathered, torch.cat([torch.full((2, 3), float(r)) for r in range(world)], -1))
+    assert backend.capture_safe is False  # shm and gloo cannot be captured
     backend.close()
     return {"parts": parts, "leader": backend.is_leader, "calls": len(digests),
             "choice": comm_backends.choose(comm_backends.measure_here(cpu)).name,
@@ -162,3 +163,34 @@ def test_bench_across_nodes_compares_hier_with_flat_and_fails_on_a_skip(tmp_path
     assert strict == [f"SKIPPED (required): shm: {report.skipped['shm']}"] and lenient == []
     table = render_table(report)
     assert "x gloo" in table and "hier at 4K, us per call (rank 0): local" in table
+
+
+class _Part:
+    def __init__(self, safe: bool) -> None:
+        self.capture_safe = safe
+
+
+@pytest.mark.parametrize(("local", "cross", "safe"), [
+    (True, True, True),  # cuda_p2p / symm_mem / nccl within the node, NCCL across nodes
+    (True, None, True),  # one node: the local part alone
+    (None, True, True),  # a rank alone on its node, a leader
+    (True, False, False),
+    (False, None, False),  # shm on CPU
+])
+def test_hier_is_capture_safe_exactly_when_its_parts_are(
+        monkeypatch: pytest.MonkeyPatch, local: bool | None, cross: bool | None,
+        safe: bool) -> None:
+    import comm_backends.base as base
+    from comm_backends.hier import HierAllReduce
+
+    monkeypatch.setattr(base.dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(base.dist, "get_rank", lambda group=None: 0)
+    monkeypatch.setattr(base.dist, "get_world_size", lambda group=None: 4)
+
+    def setup(self: HierAllReduce) -> None:
+        self._local = None if local is None else _Part(local)  # type: ignore[assignment]
+        self._cross = None if cross is None else _Part(cross)  # type: ignore[assignment]
+
+    monkeypatch.setattr(HierAllReduce, "_setup", setup)
+    assert HierAllReduce(None, torch.device("cpu")).capture_safe is safe
+    assert HierAllReduce.capture_safe is False  # the class alone promises nothing
