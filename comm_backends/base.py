@@ -235,12 +235,19 @@ class AllReduce(ABC):
         return None
 
 
-def gather_last_dim(tensor: torch.Tensor, world: int, group: dist.ProcessGroup | None) -> torch.Tensor:
-    """All-gather ``tensor`` over ``group`` and concatenate the pieces along the last dim."""
+def gather_rows(tensor: torch.Tensor, world: int, group: dist.ProcessGroup | None) -> torch.Tensor:
+    """All-gather ``tensor`` over ``group``, the pieces concatenated along dim 0 (rank order),
+    into one new tensor: the form every backend accepts, with no per-rank pieces to join."""
     x = tensor.contiguous()
-    # The concatenated-along-dim-0 form of the output is the one every backend accepts.
     flat = x.new_empty((world * x.shape[0], *x.shape[1:]))
     # torch 2.13 renamed all_gather_into_tensor (now deprecated) to all_gather_single.
     gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     gather(flat, x, group=group)
-    return flat.view(world, *x.shape).movedim(0, -2).reshape(*x.shape[:-1], world * x.shape[-1])
+    return flat
+
+
+def gather_last_dim(tensor: torch.Tensor, world: int, group: dist.ProcessGroup | None) -> torch.Tensor:
+    """All-gather ``tensor`` over ``group`` and concatenate the pieces along the last dim."""
+    flat = gather_rows(tensor, world, group)
+    return flat.view(world, *tensor.shape).movedim(0, -2).reshape(
+        *tensor.shape[:-1], world * tensor.shape[-1])

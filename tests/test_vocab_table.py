@@ -64,3 +64,31 @@ def test_the_draft_reads_the_same_table_without_a_gather() -> None:
     assert draft.weight.data_ptr() == ranks[1].table.data_ptr()
     ids = torch.tensor([0, 18, 19, 36])
     assert torch.equal(draft(ids), source[ids])
+
+
+def _gathered_draft_table(rank: int, world: int) -> dict[str, object]:
+    """One rank of a gloo world whose embedding stays sharded (as on a GPU rank)."""
+    vocab_mod.REPLICATED_TABLE_BYTES = 0  # this process only: no whole table kept
+    from tpserve.spec.setup import draft_embedding
+
+    source = torch.randn(VOCAB, HIDDEN, generator=torch.Generator().manual_seed(0))
+    emb = VocabParallelEmbedding(VOCAB, HIDDEN, TPContext(rank, world, Passthrough()),
+                                 torch.bfloat16, torch.device("cpu"))
+    emb.weight.weight_loader(emb.weight, source)
+    assert emb.table is None
+    draft = draft_embedding(emb, TPContext.single())
+    ids = torch.tensor([0, 18, 19, 36, 7])
+    return {"shape": tuple(draft.weight.shape), "rows": draft(ids).float(),
+            "expected": source.bfloat16()[ids].float(), "shard_ptr": emb.weight.data_ptr(),
+            "ptr": draft.weight.data_ptr()}
+
+
+def test_a_sharded_table_is_gathered_whole_for_a_replicated_draft() -> None:
+    """TP = 2 with the table kept only as shards (GPU ranks): the draft's copy is every
+    rank's slice in rank order, the last shard's padding cut off, its own memory."""
+    from tests.harness import spawn
+
+    for result in spawn(2, _gathered_draft_table):
+        assert result["shape"] == (VOCAB, HIDDEN)
+        assert torch.equal(result["rows"], result["expected"])
+        assert result["ptr"] != result["shard_ptr"]

@@ -53,7 +53,13 @@ from tpserve.models.registry import build_model
 from tpserve.preflight import check_before_loading
 from tpserve.spec.config import SpecConfig, spec_config_from_args
 from tpserve.spec.decoder import SpecDecoder
-from tpserve.spec.setup import LoadedDraft, draft_tp_context, load_draft, make_decoder
+from tpserve.spec.setup import (
+    LoadedDraft,
+    draft_tp_context,
+    load_draft,
+    make_decoder,
+    with_target_embedding,
+)
 
 log = logging.getLogger("tpserve")
 
@@ -134,6 +140,7 @@ def build_engine(args: ServerArgs, on_stage: StageHook = _no_hook) -> BuiltEngin
             draft_tp = draft_tp_context(args.speculative_draft_tp, tp)
             draft = load_draft(spec_cfg, str(args.speculative_draft_model_path), cfg, draft_tp,
                                dtype, info.device, max_position, ROTARY_HEADROOM)
+            draft = with_target_embedding(draft, model.embed_tokens)
             draft.model.set_attention_backend(attention)
     with stage("allocating KV cache", on_stage):
         kv = make_kv(args, model, draft, info, dtype, context_length)
