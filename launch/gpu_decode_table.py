@@ -7,6 +7,8 @@ eagerly and with CUDA graphs, and prints both against the HBM limit: weight byte
 step over the bandwidth of a large read-only reduction, x batch. Run by launch/gpu_check.sh.
 ``--attention-backend`` (default ``auto``: FlashInfer where installed, its CUDA-graph decode under
 graphs) applies to both runs; the line after the table names the backend the graphs replayed.
+Then where one batch's graph decode step goes (``--profile-batch``, default 1, 0 for none:
+``launch.step_profile``), since graph decode reached only a quarter of the HBM limit at batch 1.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import argparse
 import gc
 import json
 import tempfile
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +25,7 @@ import torch
 
 from launch.bench_compile import decode_rate
 from launch.bench_decode import weight_bytes_per_token
+from launch.step_profile import profile_decode
 from tpserve.args import ServerArgs
 from tpserve.offline import OfflineEngine
 
@@ -73,7 +77,9 @@ def hbm_read_gbs(nbytes: int = 4 << 30, repeats: int = 5) -> float:
 
 
 def measure(path: Path, batches: list[int], tokens: int, graphs: bool,
-            attention: str = "auto") -> dict[str, Any]:
+            attention: str = "auto", profile_batch: int = 0) -> dict[str, Any]:
+    """tok/s per batch size; with ``profile_batch``, also where that batch's decode step goes
+    (``launch.step_profile``)."""
     args = ServerArgs(model=str(path), device="cuda", dtype="bfloat16", allreduce="nccl",
                       attention_backend=attention,
                       context_length=2048, max_running_requests=max(batches),
@@ -84,7 +90,8 @@ def measure(path: Path, batches: list[int], tokens: int, graphs: bool,
     for b in batches:
         decode_rate(engine, b, 8)  # warm-up
         rates[b] = decode_rate(engine, b, tokens)[0]
-    out = {"tok_s": rates, "graph_info": engine.built.runner.graph_info,
+    profile = profile_decode(engine, profile_batch, 32) if profile_batch else None
+    out = {"tok_s": rates, "graph_info": engine.built.runner.graph_info, "profile": profile,
            "kv_pages": engine.built.runner.kv.cfg.num_pages,
            "weight_bytes": weight_bytes_per_token(engine.built.runner.model)}
     engine.close()
@@ -99,11 +106,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--attention-backend", default="auto")
+    ap.add_argument("--profile-batch", type=int, default=1,
+                    help="profile one batch size's graph decode step (0: none)")
     ap.add_argument("--json")
     args = ap.parse_args(argv)
     path = write_checkpoint(Path(tempfile.mkdtemp()) / "llama-1b-random")
     eager = measure(path, args.batches, args.tokens, False, args.attention_backend)
-    graph = measure(path, args.batches, args.tokens, True, args.attention_backend)
+    graph = measure(path, args.batches, args.tokens, True, args.attention_backend,
+                    args.profile_batch)
     bw = hbm_read_gbs()
     limit = {b: bw * 1e9 / eager["weight_bytes"] * b for b in args.batches}
     print(f"\n{'batch':>6}{'eager tok/s':>14}{'graphs tok/s':>14}{'speedup':>9}"
@@ -115,6 +125,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
           f"KV pages eager {eager['kv_pages']} vs graphs {graph['kv_pages']}")
     print(f"graphs attention backend: {graph['graph_info'].get('attention')}; "
           f"graphs: {json.dumps(graph['graph_info'])}")
+    if graph["profile"] is not None:
+        print("\n".join(graph["profile"].lines()))
+        graph["profile"] = asdict(graph["profile"])
     res = {"eager": eager, "graphs": graph, "hbm_gbs": bw, "limit_tok_s": limit}
     if args.json:
         Path(args.json).write_text(json.dumps(res, indent=2, default=str))
