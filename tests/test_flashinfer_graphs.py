@@ -22,6 +22,7 @@ import torch
 from tests import fake_flashinfer
 from tests.attention_cases import Case, make_case, reference
 from tpserve.engine import graphs
+from tpserve.engine.buckets import key_spans
 from tpserve.engine.forward_batch import ForwardBatch
 from tpserve.engine.graphs import CudaGraphExecutor, GraphConfig
 from tpserve.engine.static_forward import StaticForward
@@ -91,9 +92,9 @@ class _Model:
         return ForwardBatch(ids, ids.clone(), case.metadata(), self.queries)
 
 
-def _executor(model: _Model, name: str, buckets: tuple[int, ...], width: int = 0
-              ) -> CudaGraphExecutor:
-    cfg = GraphConfig(buckets, PAGES * PAGE, PAGE, {name: width} if width else {})
+def _executor(model: _Model, name: str, buckets: tuple[int, ...], width: int = 0,
+              spans: tuple[int, ...] = ()) -> CudaGraphExecutor:
+    cfg = GraphConfig(buckets, PAGES * PAGE, PAGE, {name: width} if width else {}, spans)
     executor = CudaGraphExecutor(cfg, CPU, None)
     executor.capture(model.forward(name))
     return executor
@@ -165,6 +166,38 @@ def test_verify_graphs_attend_through_torch_under_flashinfer(cpu_graphs: None) -
         case = make_case(seed, [4] * len(cached), cached, HEADS, DIM, page_size=PAGE,
                          mask="tree")
         _check(model, executor, "verify", case)
+
+
+def test_key_spans_are_a_page_multiple_ladder_ending_at_the_limit() -> None:
+    assert key_spans(131_136, 16) == (4096, 16384, 65536, 131_136)
+    assert key_spans(2112, 16) == (2112,)  # a short context: one span, as before
+    assert key_spans(5000, 64, first=1000, factor=2) == (1024, 2048, 4032, 5000)
+
+
+def test_gathering_graphs_replay_at_the_narrowest_span_that_holds_the_step(
+        cpu_graphs: None) -> None:
+    """Verify graphs (a tree mask: the torch gather under FlashInfer too) are captured per key
+    span and a step replays the narrowest that holds its longest request, with the same
+    output; FlashInfer's decode graphs read pages in place and keep one span."""
+    spec = AttentionSpec(*HEADS, DIM, DIM ** -0.5, torch.float32)
+    backend = FlashInferAttention(spec, CPU)
+    model = _Model(backend, 4)
+    spans = (64, 160, PAGES * PAGE)
+    executor = _executor(model, "verify", (2,), width=4, spans=spans)
+    assert executor.spans["verify"] == spans and len(executor.graphs["verify"]) == 3
+    assert executor.info["sets"]["verify"]["key_spans"] == list(spans)
+    for seed, (cached, span) in enumerate([([5, 60], 64), ([100], 160), ([200, 3], 320)]):
+        case = make_case(seed, [4] * len(cached), cached, HEADS, DIM, page_size=PAGE,
+                         mask="tree")
+        _check(model, executor, "verify", case)
+        static = executor.graphs["verify"][(2, span)].batch.attn
+        assert static.page_table.shape[1] * PAGE == span
+        assert static.kv_lens[: len(cached)].tolist() == [c + 4 for c in cached]  # replayed here
+    too_long = make_case(9, [4], [PAGES * PAGE], HEADS, DIM, page_size=PAGE, mask="tree")
+    assert executor.run("verify", model.load(too_long), {}) is None  # past the limit: eager
+
+    decode = _executor(_Model(backend, 1), "decode", (1, 2), spans=spans)
+    assert decode.spans["decode"] == (PAGES * PAGE,) and len(decode.graphs["decode"]) == 2
 
 
 def test_recapture_releases_the_static_batches(cpu_graphs: None) -> None:

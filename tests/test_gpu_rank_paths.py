@@ -86,7 +86,8 @@ def executor(name: str, queries: int, bucket: int, pages: int, mask: int,
     static = inert_batch(bucket, queries, pages, 4, CPU, mask)
     out = torch.arange(bucket * queries, dtype=torch.float32)
     ex.forwards = {name: StaticForward(name, queries, lambda fb, extras: (out,))}
-    ex.graphs = {name: {bucket: _Captured(FakeGraph((out,), log), static, {}, (out,))}}
+    ex.graphs = {name: {(bucket, pages * 4): _Captured(FakeGraph((out,), log), static, {}, (out,))}}
+    ex.spans = {name: (pages * 4,)}
     return ex, log
 
 

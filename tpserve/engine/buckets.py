@@ -1,4 +1,5 @@
-"""Batch-size buckets for captured (CUDA graph) and compiled (torch.compile) forwards.
+"""Batch-size buckets for captured (CUDA graph) and compiled (torch.compile) forwards, and the
+key spans CUDA graphs of gathering forwards are captured at (``key_spans``).
 
 A captured or compiled forward runs at the batch sizes it was built for, so a batch of b
 requests (each feeding the same Q rows) is padded up to the next bucket B with inert
@@ -39,6 +40,23 @@ def default_batch_sizes(max_bs: int) -> tuple[int, ...]:
 
 def round_up(value: int, multiple: int) -> int:
     return -(-value // multiple) * multiple
+
+
+# Key spans: the smallest, and the factor between one span and the next (see key_spans).
+FIRST_KEY_SPAN = 4096
+KEY_SPAN_FACTOR = 4
+
+
+def key_spans(max_keys: int, page_size: int, first: int = FIRST_KEY_SPAN,
+              factor: int = KEY_SPAN_FACTOR) -> tuple[int, ...]:
+    """Ascending static key widths (page multiples) a gathering graph is captured at, the last
+    ``max_keys``: a replay then gathers at most ``factor`` x its longest request's keys (or
+    ``first``), not the context limit's worth, for log_factor(max_keys / first) more graphs."""
+    spans, span = [], first
+    while span < max_keys:
+        spans.append(round_up(span, page_size))
+        span *= factor
+    return (*sorted(set(spans)), max_keys)
 
 
 def _pad(t: torch.Tensor, rows: int, value: int = 0) -> torch.Tensor:

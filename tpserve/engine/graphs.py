@@ -6,17 +6,20 @@ without any CPU launch cost. A batch of b requests is padded to the smallest buc
 with inert requests (dummy page 0 only), so they cannot touch real KV. Batches above the
 largest bucket, and prefill, run eagerly (counted, see ``static_forward.run_static``).
 
-Key span: a backend whose preparation is device work (``torch``) is prepared inside the graph
-and sizes its key gather by the static page table's width, fixed at capture to the context
-limit (plus the speculative lookahead): correct for any context, but every replay gathers and
-masks that many keys per layer. ``flashinfer`` instead plans on the host (``AttentionBackend
-.graph_capture`` before capture, ``graph_replan`` with the step's real, bucket-padded layout
-before each replay, O(pages used)); the decode graph runs FlashInfer's CUDA-graph decode over
-fixed buffers, so a replayed decode step attends over the pages its requests use, whatever the
-context limit. Draft and verify graphs (speculative masks) still run the ``torch`` gather at
-the context-limit width under either backend (``flashinfer_backend``). ``auto`` picks
-``flashinfer`` on CUDA where it can run the model (``static_setup.graph_attention_line`` logs
-the choice and, for ``torch``, why).
+Key span: a backend whose preparation is device work (``torch``, and MLA, which prepares
+through it) is prepared inside the graph and sizes its key gather by the static page table's
+width. So such forwards are captured per (batch bucket, key span): spans from 4096 keys up by
+4x to the context limit (plus the speculative lookahead, ``key_spans``), and a replay takes
+the narrowest span that holds its longest request, gathering at most 4x that request's keys
+(or 4096) per row and layer instead of the context limit's worth. ``flashinfer`` instead
+plans on the host (``AttentionBackend.graph_capture`` before capture, ``graph_replan`` with the
+step's real, bucket-padded layout before each replay, O(pages used)); the decode graph runs
+FlashInfer's CUDA-graph decode over fixed buffers, so a replayed decode step attends over the
+pages its requests use, and is captured at one span (``graph_reads_in_place``). Draft and
+verify graphs (speculative masks) run the ``torch`` gather under either backend
+(``flashinfer_backend``), so they take the spans. ``auto`` picks ``flashinfer`` on CUDA where
+it can run the model (``static_setup.graph_attention_line`` logs the choice and, for
+``torch``, why).
 
 All graphs share one memory pool (``torch.cuda.graph_pool_handle``): they are replayed one
 at a time, so their intermediates can overlap. Each graph's outputs stay allocated in the
@@ -55,6 +58,11 @@ class GraphConfig:
     max_keys: int  # keys a request can have (context + lookahead, a page multiple)
     page_size: int
     mask_width: dict[str, int] = field(default_factory=dict)  # speculative mask per forward
+    spans: tuple[int, ...] = ()  # ascending key spans, the last max_keys (empty: max_keys only)
+
+    @property
+    def key_spans(self) -> tuple[int, ...]:
+        return self.spans or (self.max_keys,)
 
 
 @dataclass
@@ -74,10 +82,12 @@ class CudaGraphExecutor:
         self.pool = torch.cuda.graph_pool_handle()
         self.backend = comm.active_name if comm is not None else None
         self.forwards: dict[str, StaticForward] = {}
-        self.graphs: dict[str, dict[int, _Captured]] = {}
+        # forward -> (batch bucket, key span) -> graph
+        self.graphs: dict[str, dict[tuple[int, int], _Captured]] = {}
+        self.spans: dict[str, tuple[int, ...]] = {}  # the key spans each forward was captured at
         self.info: dict[str, Any] = {"kind": "cuda_graph", "batch_sizes": list(cfg.batch_sizes),
-                                     "max_keys": cfg.max_keys, "allreduce": self.backend,
-                                     "sets": {}}
+                                     "max_keys": cfg.max_keys, "key_spans": list(cfg.key_spans),
+                                     "allreduce": self.backend, "sets": {}}
 
     def run(self, name: str, fb: ForwardBatch,
             extras: dict[str, torch.Tensor]) -> tuple[torch.Tensor, ...] | None:
@@ -88,9 +98,10 @@ class CudaGraphExecutor:
             return None  # captured kernels belong to the backend active at capture
         batch = fb.batch_size
         bucket = next((b for b in self.cfg.batch_sizes if b >= batch), None)
-        if bucket is None or fb.attn.max_kv_len > self.cfg.max_keys:
+        span = next((k for k in self.spans[name] if k >= fb.attn.max_kv_len), None)
+        if bucket is None or span is None:
             return None
-        cap = graphs[bucket]
+        cap = graphs[(bucket, span)]
         if not _fits_mask(cap.batch, fb):
             # A live tree-shape change (admin) widened the speculative mask past the width
             # captured at launch: eager, like any batch no graph fits (the same on all ranks).
@@ -138,6 +149,7 @@ class CudaGraphExecutor:
         return active is None or active.world_size == 1 or bool(active.capture_safe)
 
     def _drop(self, name: str) -> None:
+        self.spans.pop(name, None)
         for cap in self.graphs.pop(name, {}).values():
             for backend in cap.backends:
                 backend.graph_release(cap.batch.attn)
@@ -160,23 +172,35 @@ class CudaGraphExecutor:
         self.forwards[forward.name] = forward
         graphs = self.graphs.setdefault(forward.name, {})
         sizes = sorted(self.cfg.batch_sizes, reverse=True)
+        widest = self.cfg.key_spans[-1]
         with _timing_off(self.comm):
-            for i, bs in enumerate(sizes):
-                progress(f"capturing CUDA graph '{forward.name}' batch {bs} ({i + 1}/{len(sizes)})")
-                graphs[bs] = self._capture_one(forward, bs)
+            # The largest batch at the widest span first: every later graph fits its pool.
+            progress(f"capturing CUDA graph '{forward.name}' batch {sizes[0]} ({widest} keys)")
+            first = graphs[(sizes[0], widest)] = self._capture_one(forward, sizes[0], widest)
+            # A graph whose attention reads the pages each replay's plan names (FlashInfer's
+            # decode) costs the same at any width: one span. Others gather the static width.
+            in_place = bool(first.backends) and all(
+                b.graph_reads_in_place(first.batch.attn) for b in first.backends)
+            spans = (widest,) if in_place else self.cfg.key_spans
+            self.spans[forward.name] = spans
+            todo = [(bs, k) for bs in sizes for k in reversed(spans) if (bs, k) != (sizes[0], widest)]
+            for i, (bs, k) in enumerate(todo):
+                progress(f"capturing CUDA graph '{forward.name}' batch {bs} ({k} keys) "
+                         f"({i + 2}/{len(todo) + 1})")
+                graphs[(bs, k)] = self._capture_one(forward, bs, k)
         torch.cuda.synchronize(self.device)
         seconds = time.perf_counter() - start
         used = free_before - torch.cuda.mem_get_info(self.device)[0]
-        self.info["sets"][forward.name] = {"graphs": len(sizes), "capture_s": round(seconds, 3),
+        self.info["sets"][forward.name] = {"graphs": len(graphs), "key_spans": list(spans),
+                                         "capture_s": round(seconds, 3),
                                          "memory_mb": round(used / 2**20, 1)}
-        log.info("captured %d '%s' graphs in %.1fs using %.0f MB", len(sizes), forward.name,
-                 seconds, used / 2**20)
+        log.info("captured %d '%s' graphs (key spans %s) in %.1fs using %.0f MB", len(graphs),
+                 forward.name, "/".join(map(str, spans)), seconds, used / 2**20)
 
-    def _capture_one(self, forward: StaticForward, bs: int) -> _Captured:
-        pages = self.cfg.max_keys // self.cfg.page_size
-        # The static page table is as wide as the longest request it may serve.
-        fb = inert_batch(bs, forward.queries, pages, self.cfg.page_size, self.device,
-                         self.cfg.mask_width.get(forward.name, 0))
+    def _capture_one(self, forward: StaticForward, bs: int, span: int) -> _Captured:
+        # The static page table holds ``span`` keys: the longest request the graph serves.
+        fb = inert_batch(bs, forward.queries, span // self.cfg.page_size, self.cfg.page_size,
+                         self.device, self.cfg.mask_width.get(forward.name, 0))
         extras = {k: torch.zeros(bs, forward.queries, *shape, dtype=dtype, device=self.device)
                   for k, (shape, dtype) in forward.extras.items()}
         backends = forward.backends()

@@ -9,9 +9,11 @@ up to ``--cuda-graph-max-bs``).
 Memory: ``graph_reserve_bytes`` estimates what capture will take (peak activations of the
 largest bucket, shared through one pool, plus every graph's resident outputs) so the KV
 cache is sized after it; raising ``--cuda-graph-max-bs`` therefore visibly trades KV pages.
-A ``torch`` forward gathers keys up to the context limit, so its estimate grows with the
-context; FlashInfer's decode graphs gather nothing (their wrappers' buffers are counted
-instead), so without speculation a long context costs graphs no more than a short one.
+A ``torch`` forward gathers keys up to the context limit in its widest graph, so its
+estimate grows with the context, and it is captured at every key span (``buckets.key_spans``),
+each graph keeping its outputs; FlashInfer's decode graphs gather nothing (their wrappers'
+buffers are counted instead) and take one span, so without speculation a long context costs
+graphs no more than a short one.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ import torch
 
 from tpserve.args import ServerArgs
 from tpserve.dist import CommSwitch
-from tpserve.engine.buckets import Buckets, default_batch_sizes, round_up
+from tpserve.engine.buckets import Buckets, default_batch_sizes, key_spans, round_up
 from tpserve.engine.static_forward import StaticForward
 from tpserve.errors import ConfigError
 from tpserve.layers.attention.registry import unavailable_reason
@@ -91,12 +93,16 @@ def graph_reserve_bytes(args: ServerArgs, shape: ModelShape, context_length: int
     # FlashInfer's decode (Q = 1) reads pages in place; speculative forwards gather (torch).
     peak = max(_activation_bytes(shape, sizes[-1], q, 0 if flashinfer and q == 1 else keys)
                for q in forward_queries(args))
+    # Gathering forwards are captured at every key span, each graph keeping its outputs.
+    spans = {q: 1 if flashinfer and q == 1 else len(key_spans(keys, args.page_size))
+             for q in forward_queries(args)}
     out_row = shape.vocab * 4 + shape.hidden * shape.itemsize
-    outputs = sum(b * q * out_row for b in sizes for q in forward_queries(args))
+    outputs = sum(spans[q] * b * q * out_row for b in sizes for q in forward_queries(args))
     wrappers = 0
     if flashinfer:
         wrappers = FLASHINFER_WRAPPER_BYTES * len(sizes) + sizes[-1] * (keys // args.page_size) * 4
-    return peak + outputs + wrappers + GRAPH_OVERHEAD * len(sizes) * len(forward_queries(args))
+    graphs = len(sizes) * sum(spans.values())
+    return peak + outputs + wrappers + GRAPH_OVERHEAD * graphs
 
 
 def _activation_bytes(s: ModelShape, batch: int, queries: int, keys: int) -> int:
@@ -129,8 +135,9 @@ def make_executor(args: ServerArgs, forwards: list[StaticForward], device: torch
             raise ConfigError(reason, "--allreduce")
         widths = {"verify": args.speculative_num_draft_tokens,
                   "draft": max(1, (args.speculative_num_steps - 1) * args.speculative_eagle_topk)}
+        keys = max_keys(context_length, args.page_size)
         executor = CudaGraphExecutor(
-            GraphConfig(sizes, max_keys(context_length, args.page_size), args.page_size, widths),
+            GraphConfig(sizes, keys, args.page_size, widths, key_spans(keys, args.page_size)),
             device, comm)
         for forward in forwards:
             executor.capture(forward)
@@ -160,13 +167,15 @@ def graph_attention_line(requested: str, backend: Any, device: torch.device) -> 
     name = getattr(backend, "name", type(backend).__name__)
     if name == "flashinfer":
         why = ("decode graphs replay FlashInfer's CUDA-graph decode over the pages each step "
-               "uses; draft/verify graphs gather with torch up to the context limit")
+               "uses; draft/verify graphs gather with torch, at the narrowest captured key "
+               "span that holds the step")
     elif name == "torch":
         reason = None
         if requested == "auto":
             reason = unavailable_reason("flashinfer", backend.spec, device)
         why = (reason or f"--attention-backend {requested}") + (
-            "; each replayed step gathers keys up to the context limit")
+            "; each replayed step gathers keys at the narrowest captured key span that "
+            "holds it (4096 keys up by 4x to the context limit)")
     else:
         why = "the model's own attention"
     return f"CUDA graphs: attention backend '{name}' ({why})"

@@ -75,6 +75,12 @@ class AttentionBackend(ABC):
         the step it now runs, already copied into ``static``'s tensors. Default: nothing."""
         return None
 
+    def graph_reads_in_place(self, static: AttentionMetadata) -> bool:
+        """Whether a graph captured over ``static`` attends over the pages each replay's plan
+        names, whatever the static page table's width (the executor then captures one key
+        span). Default: False, the graph gathers as many keys as the static table holds."""
+        return False
+
     def graph_release(self, static: AttentionMetadata) -> None:
         """The graph captured over ``static`` was dropped (recapture). Default: nothing."""
         return None

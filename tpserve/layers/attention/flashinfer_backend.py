@@ -140,6 +140,9 @@ class FlashInferAttention(AttentionBackend):
         if wrapper is not None:
             self._plan_decode(wrapper, meta)
 
+    def graph_reads_in_place(self, static: AttentionMetadata) -> bool:
+        return _is_plain_decode(static)  # the graph-mode decode wrapper (graph_capture)
+
     def graph_release(self, static: AttentionMetadata) -> None:
         self._static.pop(id(static), None)
 
