@@ -22,7 +22,7 @@ import torch
 from tests import fake_flashinfer
 from tests.attention_cases import Case, make_case, reference
 from tpserve.engine import graphs
-from tpserve.engine.buckets import key_spans
+from tpserve.engine.buckets import graph_spans, key_spans
 from tpserve.engine.forward_batch import ForwardBatch
 from tpserve.engine.graphs import CudaGraphExecutor, GraphConfig
 from tpserve.engine.static_forward import StaticForward
@@ -184,7 +184,7 @@ def test_gathering_graphs_replay_at_the_narrowest_span_that_holds_the_step(
     model = _Model(backend, 4)
     spans = (64, 160, PAGES * PAGE)
     executor = _executor(model, "verify", (2,), width=4, spans=spans)
-    assert executor.spans["verify"] == spans and len(executor.graphs["verify"]) == 3
+    assert executor.spans["verify"] == {2: spans} and len(executor.graphs["verify"]) == 3
     assert executor.info["sets"]["verify"]["key_spans"] == list(spans)
     for seed, (cached, span) in enumerate([([5, 60], 64), ([100], 160), ([200, 3], 320)]):
         case = make_case(seed, [4] * len(cached), cached, HEADS, DIM, page_size=PAGE,
@@ -197,7 +197,31 @@ def test_gathering_graphs_replay_at_the_narrowest_span_that_holds_the_step(
     assert executor.run("verify", model.load(too_long), {}) is None  # past the limit: eager
 
     decode = _executor(_Model(backend, 1), "decode", (1, 2), spans=spans)
-    assert decode.spans["decode"] == (PAGES * PAGE,) and len(decode.graphs["decode"]) == 2
+    assert decode.spans["decode"] == {1: (320,), 2: (320,)} and len(decode.graphs["decode"]) == 2
+
+
+def test_a_gather_budget_keeps_large_buckets_to_their_narrowest_spans(cpu_graphs: None) -> None:
+    """Bucket x span within the budget: bucket 1 gets every span, bucket 4 the narrowest
+    only, so a 4-request step past 64 keys runs eagerly; the same step at 1 request replays."""
+    spec = AttentionSpec(*HEADS, DIM, DIM ** -0.5, torch.float32)
+    model = _Model(FlashInferAttention(spec, CPU), 4)
+    cfg = GraphConfig((1, 4), PAGES * PAGE, PAGE, {"verify": 4}, (64, 160, 320), 320)
+    executor = CudaGraphExecutor(cfg, CPU, None)
+    executor.capture(model.forward("verify"))
+    assert executor.spans["verify"] == {1: (64, 160, 320), 4: (64,)}
+    assert executor.info["sets"]["verify"]["graphs"] == 4
+    long = make_case(1, [4] * 3, [100, 3, 9], HEADS, DIM, page_size=PAGE, mask="tree")
+    assert executor.run("verify", model.load(long), {}) is None
+    short = make_case(2, [4] * 3, [30, 3, 9], HEADS, DIM, page_size=PAGE, mask="tree")
+    _check(model, executor, "verify", short)
+    alone = make_case(3, [4], [250], HEADS, DIM, page_size=PAGE, mask="tree")
+    _check(model, executor, "verify", alone)
+
+
+def test_graph_spans_always_keep_the_narrowest() -> None:
+    assert graph_spans((1, 8, 64), (4096, 16384, 65536), 131072) == {
+        1: (4096, 16384, 65536), 8: (4096, 16384), 64: (4096,)}
+    assert graph_spans((2,), (64, 128), None) == {2: (64, 128)}
 
 
 def test_recapture_releases_the_static_batches(cpu_graphs: None) -> None:

@@ -87,7 +87,7 @@ def executor(name: str, queries: int, bucket: int, pages: int, mask: int,
     out = torch.arange(bucket * queries, dtype=torch.float32)
     ex.forwards = {name: StaticForward(name, queries, lambda fb, extras: (out,))}
     ex.graphs = {name: {(bucket, pages * 4): _Captured(FakeGraph((out,), log), static, {}, (out,))}}
-    ex.spans = {name: (pages * 4,)}
+    ex.spans = {name: {bucket: (pages * 4,)}}
     return ex, log
 
 

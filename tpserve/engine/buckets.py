@@ -59,6 +59,17 @@ def key_spans(max_keys: int, page_size: int, first: int = FIRST_KEY_SPAN,
     return (*sorted(set(spans)), max_keys)
 
 
+def graph_spans(batch_sizes: tuple[int, ...], spans: tuple[int, ...],
+                gather_tokens: int | None) -> dict[int, tuple[int, ...]]:
+    """The key spans a gathering forward is captured at, per batch bucket: the narrowest
+    always, wider ones while bucket x span stays within ``gather_tokens`` (None: all). A
+    graph's gather is reserved memory for the server's life, so a batch that is both large
+    and long runs eagerly instead of every rank keeping its buffers at start-up."""
+    return {bs: tuple(k for i, k in enumerate(spans)
+                      if i == 0 or gather_tokens is None or bs * k <= gather_tokens)
+            for bs in batch_sizes}
+
+
 def _pad(t: torch.Tensor, rows: int, value: int = 0) -> torch.Tensor:
     """``t`` with ``rows`` more rows of ``value`` (dim 0)."""
     if rows == 0:

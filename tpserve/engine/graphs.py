@@ -11,7 +11,9 @@ through it) is prepared inside the graph and sizes its key gather by the static 
 width. So such forwards are captured per (batch bucket, key span): spans from 4096 keys up by
 4x to the context limit (plus the speculative lookahead, ``key_spans``), and a replay takes
 the narrowest span that holds its longest request, gathering at most 4x that request's keys
-(or 4096) per row and layer instead of the context limit's worth. ``flashinfer`` instead
+(or 4096) per row and layer instead of the context limit's worth. A bucket keeps its wider
+spans only within a gather budget (``GraphConfig.gather_tokens``, ``buckets.graph_spans``):
+a step that is both large and long runs eagerly. ``flashinfer`` instead
 plans on the host (``AttentionBackend.graph_capture`` before capture, ``graph_replan`` with the
 step's real, bucket-padded layout before each replay, O(pages used)); the decode graph runs
 FlashInfer's CUDA-graph decode over fixed buffers, so a replayed decode step attends over the
@@ -44,7 +46,7 @@ from typing import Any
 import torch
 
 from tpserve.dist import CommSwitch
-from tpserve.engine.buckets import inert_batch, pad_forward_batch
+from tpserve.engine.buckets import graph_spans, inert_batch, pad_forward_batch
 from tpserve.engine.forward_batch import ForwardBatch
 from tpserve.engine.static_forward import StaticForward
 from tpserve.layers.attention.base import AttentionBackend
@@ -59,6 +61,7 @@ class GraphConfig:
     page_size: int
     mask_width: dict[str, int] = field(default_factory=dict)  # speculative mask per forward
     spans: tuple[int, ...] = ()  # ascending key spans, the last max_keys (empty: max_keys only)
+    gather_tokens: int | None = None  # most bucket x span a gathering graph holds (graph_spans)
 
     @property
     def key_spans(self) -> tuple[int, ...]:
@@ -84,7 +87,8 @@ class CudaGraphExecutor:
         self.forwards: dict[str, StaticForward] = {}
         # forward -> (batch bucket, key span) -> graph
         self.graphs: dict[str, dict[tuple[int, int], _Captured]] = {}
-        self.spans: dict[str, tuple[int, ...]] = {}  # the key spans each forward was captured at
+        # forward -> batch bucket -> the key spans captured for it
+        self.spans: dict[str, dict[int, tuple[int, ...]]] = {}
         self.info: dict[str, Any] = {"kind": "cuda_graph", "batch_sizes": list(cfg.batch_sizes),
                                      "max_keys": cfg.max_keys, "key_spans": list(cfg.key_spans),
                                      "allreduce": self.backend, "sets": {}}
@@ -98,7 +102,8 @@ class CudaGraphExecutor:
             return None  # captured kernels belong to the backend active at capture
         batch = fb.batch_size
         bucket = next((b for b in self.cfg.batch_sizes if b >= batch), None)
-        span = next((k for k in self.spans[name] if k >= fb.attn.max_kv_len), None)
+        spans = self.spans[name].get(bucket, ()) if bucket is not None else ()
+        span = next((k for k in spans if k >= fb.attn.max_kv_len), None)
         if bucket is None or span is None:
             return None
         cap = graphs[(bucket, span)]
@@ -171,31 +176,37 @@ class CudaGraphExecutor:
         start = time.perf_counter()
         self.forwards[forward.name] = forward
         graphs = self.graphs.setdefault(forward.name, {})
-        sizes = sorted(self.cfg.batch_sizes, reverse=True)
-        widest = self.cfg.key_spans[-1]
+        spans = self.spans[forward.name] = self._plan_spans(forward)
+        # Largest first (batch x keys): every later graph fits the pool the first one made.
+        todo = sorted(((bs, k) for bs, ks in spans.items() for k in ks),
+                      key=lambda shape: (shape[0] * shape[1], shape[0]), reverse=True)
         with _timing_off(self.comm):
-            # The largest batch at the widest span first: every later graph fits its pool.
-            progress(f"capturing CUDA graph '{forward.name}' batch {sizes[0]} ({widest} keys)")
-            first = graphs[(sizes[0], widest)] = self._capture_one(forward, sizes[0], widest)
-            # A graph whose attention reads the pages each replay's plan names (FlashInfer's
-            # decode) costs the same at any width: one span. Others gather the static width.
-            in_place = bool(first.backends) and all(
-                b.graph_reads_in_place(first.batch.attn) for b in first.backends)
-            spans = (widest,) if in_place else self.cfg.key_spans
-            self.spans[forward.name] = spans
-            todo = [(bs, k) for bs in sizes for k in reversed(spans) if (bs, k) != (sizes[0], widest)]
             for i, (bs, k) in enumerate(todo):
-                progress(f"capturing CUDA graph '{forward.name}' batch {bs} ({k} keys) "
-                         f"({i + 2}/{len(todo) + 1})")
+                progress(f"capturing CUDA graph '{forward.name}' batch {bs}, {k} keys "
+                         f"({i + 1}/{len(todo)})")
                 graphs[(bs, k)] = self._capture_one(forward, bs, k)
         torch.cuda.synchronize(self.device)
         seconds = time.perf_counter() - start
         used = free_before - torch.cuda.mem_get_info(self.device)[0]
-        self.info["sets"][forward.name] = {"graphs": len(graphs), "key_spans": list(spans),
+        widths = sorted({k for ks in spans.values() for k in ks})
+        self.info["sets"][forward.name] = {"graphs": len(graphs), "key_spans": widths,
                                          "capture_s": round(seconds, 3),
                                          "memory_mb": round(used / 2**20, 1)}
         log.info("captured %d '%s' graphs (key spans %s) in %.1fs using %.0f MB", len(graphs),
-                 forward.name, "/".join(map(str, spans)), seconds, used / 2**20)
+                 forward.name, "/".join(map(str, widths)), seconds, used / 2**20)
+
+    def _plan_spans(self, forward: StaticForward) -> dict[int, tuple[int, ...]]:
+        """Per batch bucket, the key spans to capture ``forward`` at. A forward whose attention
+        reads the pages each replay's plan names (FlashInfer's decode) costs the same at any
+        width: the widest alone. One that gathers the static width gets the span ladder,
+        within the gather budget (``buckets.graph_spans``)."""
+        widest = self.cfg.key_spans[-1]
+        probe = inert_batch(1, forward.queries, widest // self.cfg.page_size, self.cfg.page_size,
+                            self.device, self.cfg.mask_width.get(forward.name, 0))
+        backends = forward.backends()
+        if backends and all(b.graph_reads_in_place(probe.attn) for b in backends):
+            return {bs: (widest,) for bs in self.cfg.batch_sizes}
+        return graph_spans(self.cfg.batch_sizes, self.cfg.key_spans, self.cfg.gather_tokens)
 
     def _capture_one(self, forward: StaticForward, bs: int, span: int) -> _Captured:
         # The static page table holds ``span`` keys: the longest request the graph serves.

@@ -26,7 +26,13 @@ import torch
 
 from tpserve.args import ServerArgs
 from tpserve.dist import CommSwitch
-from tpserve.engine.buckets import Buckets, default_batch_sizes, key_spans, round_up
+from tpserve.engine.buckets import (
+    Buckets,
+    default_batch_sizes,
+    graph_spans,
+    key_spans,
+    round_up,
+)
 from tpserve.engine.static_forward import StaticForward
 from tpserve.errors import ConfigError
 from tpserve.layers.attention.registry import unavailable_reason
@@ -40,6 +46,11 @@ GRAPH_OVERHEAD = 1 << 20  # bytes per captured graph beyond its tensors (rough)
 # FlashInfer allocates an int workspace of this size on the device per decode wrapper (one per
 # bucket), beside the page-index buffers the buckets share.
 FLASHINFER_WRAPPER_BYTES = 8 << 20
+# What one gathering graph may hold of one layer's gathered keys and values (with the copies
+# _activation_bytes counts): above it a bucket keeps only its narrowest key span, so a long
+# context limit at a large batch bucket does not take the KV cache's memory at start-up
+# (DeepSeek-V3's MLA at 160K keys and bucket 64 would reserve ~48 GB of a GPU).
+GRAPH_GATHER_BYTES = 2 << 30
 
 
 @dataclass(frozen=True)
@@ -83,6 +94,12 @@ def forward_queries(args: ServerArgs) -> tuple[int, ...]:
     return (1, args.speculative_eagle_topk, args.speculative_num_draft_tokens)
 
 
+def gather_tokens(shape: ModelShape) -> int:
+    """Most bucket x key span a gathering graph may hold (``buckets.graph_spans``): its
+    gathered keys (and values, and their copies) within ``GRAPH_GATHER_BYTES``."""
+    return max(1, GRAPH_GATHER_BYTES // _gathered_per_key(shape))
+
+
 def graph_reserve_bytes(args: ServerArgs, shape: ModelShape, context_length: int,
                         device: torch.device) -> int:
     """Estimated CUDA-graph memory: shared-pool peak + resident outputs + per-graph overhead."""
@@ -90,25 +107,33 @@ def graph_reserve_bytes(args: ServerArgs, shape: ModelShape, context_length: int
         return 0
     sizes, keys = batch_sizes(args), max_keys(context_length, args.page_size)
     flashinfer = shape.attention == "flashinfer"
-    # FlashInfer's decode (Q = 1) reads pages in place; speculative forwards gather (torch).
-    peak = max(_activation_bytes(shape, sizes[-1], q, 0 if flashinfer and q == 1 else keys)
-               for q in forward_queries(args))
-    # Gathering forwards are captured at every key span, each graph keeping its outputs.
-    spans = {q: 1 if flashinfer and q == 1 else len(key_spans(keys, args.page_size))
-             for q in forward_queries(args)}
-    out_row = shape.vocab * 4 + shape.hidden * shape.itemsize
-    outputs = sum(spans[q] * b * q * out_row for b in sizes for q in forward_queries(args))
+    ladder = graph_spans(sizes, key_spans(keys, args.page_size), gather_tokens(shape))
+
+    def graphs_of(q: int) -> list[tuple[int, int]]:
+        """(bucket, keys gathered) of each graph of the forward with ``q`` queries: FlashInfer's
+        decode reads pages in place (one graph a bucket); the others gather at their spans."""
+        if flashinfer and q == 1:
+            return [(b, 0) for b in sizes]
+        return [(b, k) for b, spans in ladder.items() for k in spans]
+
+    every = {q: graphs_of(q) for q in forward_queries(args)}
+    peak = max(_activation_bytes(shape, b, q, k) for q, gs in every.items() for b, k in gs)
+    out_row = shape.vocab * 4 + shape.hidden * shape.itemsize  # each graph keeps its outputs
+    outputs = sum(b * q * out_row for q, gs in every.items() for b, _ in gs)
     wrappers = 0
     if flashinfer:
         wrappers = FLASHINFER_WRAPPER_BYTES * len(sizes) + sizes[-1] * (keys // args.page_size) * 4
-    graphs = len(sizes) * sum(spans.values())
-    return peak + outputs + wrappers + GRAPH_OVERHEAD * graphs
+    return peak + outputs + wrappers + GRAPH_OVERHEAD * sum(len(gs) for gs in every.values())
+
+
+def _gathered_per_key(s: ModelShape) -> int:
+    return 4 * s.kv_heads_local * s.head_dim * s.itemsize  # K, V (+ copies)
 
 
 def _activation_bytes(s: ModelShape, batch: int, queries: int, keys: int) -> int:
     tokens = batch * queries
     logits = tokens * s.vocab * (4 + s.itemsize)  # model-dtype logits, then float32
-    gathered = 4 * batch * keys * s.kv_heads_local * s.head_dim * s.itemsize  # K, V (+ copies)
+    gathered = batch * keys * _gathered_per_key(s)
     scores = batch * s.heads_local * queries * keys * 4  # masked SDPA materialises scores
     mlp = 3 * tokens * s.inter_local * s.itemsize
     return logits + gathered + scores + mlp
@@ -124,8 +149,10 @@ def capture_unsafe_reason(comm: CommSwitch | None, world_size: int) -> str | Non
 
 
 def make_executor(args: ServerArgs, forwards: list[StaticForward], device: torch.device,
-                  comm: CommSwitch | None, world_size: int, context_length: int) -> Any:
-    """Build (and on GPU capture) the executor for ``forwards``; None when running eagerly."""
+                  comm: CommSwitch | None, world_size: int, context_length: int,
+                  shape: ModelShape | None = None) -> Any:
+    """Build (and on GPU capture) the executor for ``forwards``; None when running eagerly.
+    ``shape`` sets the gather budget of the graphs (none without it)."""
     sizes = batch_sizes(args)
     if uses_graphs(args, device):
         from tpserve.engine.graphs import CudaGraphExecutor, GraphConfig
@@ -137,7 +164,8 @@ def make_executor(args: ServerArgs, forwards: list[StaticForward], device: torch
                   "draft": max(1, (args.speculative_num_steps - 1) * args.speculative_eagle_topk)}
         keys = max_keys(context_length, args.page_size)
         executor = CudaGraphExecutor(
-            GraphConfig(sizes, keys, args.page_size, widths, key_spans(keys, args.page_size)),
+            GraphConfig(sizes, keys, args.page_size, widths, key_spans(keys, args.page_size),
+                        gather_tokens(shape) if shape is not None else None),
             device, comm)
         for forward in forwards:
             executor.capture(forward)
@@ -187,8 +215,9 @@ def install_static(args: ServerArgs, runner: Any, spec: Any, world_size: int,
     forwards = [runner.decode_forward]
     if spec is not None:
         forwards += [spec.drafter.draft_forward, spec.drafter.verify_forward]
+    shape = ModelShape.of(runner.model, runner.kv.cfg.dtype)
     executor = make_executor(args, forwards, runner.device, runner.comm, world_size,
-                             context_length)
+                             context_length, shape)
     runner.static = executor
     # The executor's own dict: compile times recorded later show up live.
     runner.graph_info = executor.info if executor is not None else {"kind": "eager"}
@@ -197,6 +226,5 @@ def install_static(args: ServerArgs, runner: Any, spec: Any, world_size: int,
         log.info(graph_attention_line(args.attention_backend, backend, runner.device))
         runner.graph_info["attention"] = getattr(backend, "name", type(backend).__name__)
     if executor is not None:
-        shape = ModelShape.of(runner.model, runner.kv.cfg.dtype)
         reserved = graph_reserve_bytes(args, shape, context_length, runner.device)
         runner.graph_info["reserved_mb"] = round(reserved / 2**20, 1)
