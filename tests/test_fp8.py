@@ -8,7 +8,6 @@ with expert parallelism is checked with the other families in ``test_moe_vs_hf.p
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -27,12 +26,7 @@ from tpserve.models.registry import build_model
 BLOCK = FP8_BLOCK
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread() -> Iterator[None]:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")

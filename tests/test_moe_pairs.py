@@ -14,7 +14,6 @@ token (``ExpertStack.forward_pairs``). It must give the eager (sorted) path's su
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -31,12 +30,7 @@ from tpserve.models.registry import build_model
 CPU = torch.device("cpu")
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread() -> Iterator[None]:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def _routing(n: int, experts: int, top_k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:

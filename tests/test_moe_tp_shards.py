@@ -16,7 +16,6 @@ heads and an (8, 8) block splits on block boundaries at TP 2, 4 and 8, as DeepSe
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -36,12 +35,7 @@ PROMPT = [5, 7, 9, 11, 13, 3, 4, 30, 31]
 CPU = torch.device("cpu")
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread() -> Iterator[None]:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,19 @@
+"""Fixtures shared by several test modules (pytest finds them here)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread() -> Iterator[None]:
+    """Torch on one thread for a module's tests: its tiny models gain nothing from a second
+    thread but synchronisation (10x slower on a busy machine). Modules opt in with
+    ``pytestmark = pytest.mark.usefixtures("one_torch_thread")``."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
