@@ -46,6 +46,34 @@ def test_quantize_dequantize_against_float64() -> None:
     assert ((ref - w.double()).abs() <= w.abs().double() * 2**-3 + 1e-6).all()  # e4m3: 3 bits
 
 
+@pytest.mark.parametrize(("out_rows", "native", "gemm_rows"), [
+    (576, True, 512),  # DeepSeek-V3's kv_a_proj_with_mqa: four blocks on the GEMM, 64 rows not
+    (512, True, 512),
+    (576, False, 0),
+    (100, True, 0),  # less than one block: dequantised
+])
+def test_whole_blocks_take_the_block_gemm_and_the_rest_is_dequantised(
+        monkeypatch: pytest.MonkeyPatch, out_rows: int, native: bool, gemm_rows: int) -> None:
+    """The GPU path's split (``blockwise_or_dequantised``), run on CPU with the block-scaled
+    GEMM replaced by its float64 definition: the same product either way, and only whole
+    128-row blocks (with their scale rows) reach the GEMM."""
+    torch.manual_seed(2)
+    q, scale = fp8.quantize(torch.randn(out_rows, 256), (128, 128))
+    x = torch.randn(3, 256)
+    calls: list[tuple[int, int]] = []
+
+    def gemm(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        calls.append((q.shape[0], scale.shape[0]))
+        return (x.double() @ fp8.dequantize(q, scale, (128, 128)).double().t()).to(x.dtype)
+
+    monkeypatch.setattr(fp8, "_scaled_mm_blockwise", gemm)
+    got = fp8.blockwise_or_dequantised(x, q, scale, (128, 128), native)
+    ref = x.double() @ fp8.dequantize(q, scale, (128, 128)).double().t()
+    assert got.shape == (3, out_rows)
+    torch.testing.assert_close(got.double(), ref, rtol=1e-5, atol=1e-5)
+    assert calls == ([(gemm_rows, gemm_rows // 128)] if gemm_rows else [])
+
+
 @pytest.mark.parametrize("rows", [1, 5, 40])  # scaled-input path (<= 16 rows), bands
 def test_cpu_matmul_paths(monkeypatch: pytest.MonkeyPatch, rows: int) -> None:
     torch.manual_seed(1)

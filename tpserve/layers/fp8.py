@@ -182,10 +182,22 @@ def fp8_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, block: Blo
     if x.is_cpu:
         return fp8_linear_cpu(x, q, scale, block)
     shape = x.shape
-    x2 = x.reshape(-1, shape[-1])
-    if (block == (128, 128) and x.dtype == torch.bfloat16 and q.shape[1] % 128 == 0
-            and q.shape[0] % 128 == 0 and native_blockwise_gemm(x.device)):
-        y = _scaled_mm_blockwise(x2, q, scale)
-    else:
-        y = F.linear(x2, dequantize(q, scale, block, x.dtype))
+    native = (block == (128, 128) and x.dtype == torch.bfloat16 and q.shape[1] % 128 == 0
+              and native_blockwise_gemm(x.device))
+    y = blockwise_or_dequantised(x.reshape(-1, shape[-1]), q, scale, block, native)
     return y.reshape(*shape[:-1], q.shape[0])
+
+
+def blockwise_or_dequantised(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,
+                             block: Block, native: bool) -> torch.Tensor:
+    """x [M, K] -> [M, R]: the whole 128-row blocks of ``q`` through the block-scaled GEMM
+    where ``native``, the rest dequantised (all of it otherwise). An output that is not a
+    multiple of 128, such as DeepSeek-V3's 576-row ``kv_a_proj_with_mqa``, then dequantises
+    64 rows per call, not all 576 (several float32 copies of the whole weight per layer)."""
+    main = q.shape[0] // 128 * 128 if native else 0
+    if main == q.shape[0]:
+        return _scaled_mm_blockwise(x, q, scale)
+    tail = F.linear(x, dequantize(q[main:], scale[main // block[0]:], block, x.dtype))
+    if main == 0:
+        return tail
+    return torch.cat([_scaled_mm_blockwise(x, q[:main], scale[: main // 128]), tail], dim=-1)
