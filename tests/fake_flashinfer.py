@@ -152,6 +152,68 @@ class BatchPrefillWithRaggedKVCacheWrapper(_Wrapper):
         return self._run(q, kv, self.plan_args["qo_indptr"], return_lse)
 
 
+class BatchMLAPagedAttentionWrapper:
+    """``flashinfer.mla``'s paged MLA wrapper: caches ckv [pages, page_size, C] and kpe [pages,
+    page_size, R] (strided views allowed), kv_indices pages in kv_indptr order, kv_len_arr each
+    request's key count; scores q_nope . ckv + q_pe . kpe times sm_scale, output the weighted
+    ckv. In CUDA-graph mode the four buffers are the caller's, the batch size is fixed, and
+    ``run`` reads the layout from them, as a replayed kernel does."""
+
+    def __init__(self, workspace: torch.Tensor, use_cuda_graph: bool = False,
+                 qo_indptr: torch.Tensor | None = None, kv_indptr: torch.Tensor | None = None,
+                 kv_indices: torch.Tensor | None = None, kv_len_arr: torch.Tensor | None = None,
+                 backend: str = "auto") -> None:
+        self.buffers: tuple[torch.Tensor, ...] | None = None
+        if use_cuda_graph:
+            bufs = (qo_indptr, kv_indptr, kv_indices, kv_len_arr)
+            if not all(isinstance(b, torch.Tensor) for b in bufs):
+                raise ValueError("cudagraph mode needs the four buffers")
+            if not len(bufs[0]) == len(bufs[1]) == len(bufs[3]) + 1:  # type: ignore[arg-type]
+                raise ValueError("indptr buffers must be one longer than kv_len_arr")
+            self.buffers = bufs  # type: ignore[assignment]
+        self.layout: tuple[list[int], ...] = ()
+        self.args: dict[str, Any] = {}
+
+    def plan(self, qo_indptr: torch.Tensor, kv_indptr: torch.Tensor, kv_indices: torch.Tensor,
+             kv_len_arr: torch.Tensor, num_heads: int, head_dim_ckv: int, head_dim_kpe: int,
+             page_size: int, causal: bool, sm_scale: float, q_data_type: torch.dtype,
+             kv_data_type: torch.dtype, use_profiler: bool = False) -> None:
+        self.args = dict(heads=num_heads, ckv=head_dim_ckv, kpe=head_dim_kpe,
+                         page_size=page_size, causal=causal, sm_scale=sm_scale)
+        layout = (qo_indptr, kv_indptr, kv_indices, kv_len_arr)
+        if self.buffers is None:
+            self.layout = tuple(t.tolist() for t in layout)
+            return
+        if len(kv_len_arr) != len(self.buffers[3]):
+            raise ValueError("The batch size should be fixed in cudagraph mode")
+        if len(kv_indices) > len(self.buffers[2]):
+            raise ValueError("The size of indices should be less than or equal to the buffer")
+        for buf, src in zip(self.buffers, layout, strict=True):
+            buf[:len(src)].copy_(src)
+
+    def run(self, q_nope: torch.Tensor, q_pe: torch.Tensor, ckv_cache: torch.Tensor,
+            kpe_cache: torch.Tensor, return_lse: bool = False) -> torch.Tensor:
+        a = self.args
+        assert ckv_cache.shape[1:] == (a["page_size"], a["ckv"])
+        assert kpe_cache.shape[1:] == (a["page_size"], a["kpe"])
+        assert q_nope.shape[1] == a["heads"] and q_pe.shape[1] == a["heads"]
+        qo, indptr, indices, kv_len = (self.layout if self.buffers is None
+                                       else tuple(b.tolist() for b in self.buffers))
+        outs = []
+        for b in range(len(kv_len)):
+            pages, n = indices[indptr[b]:indptr[b + 1]], kv_len[b]
+            ckv = ckv_cache[pages].reshape(-1, a["ckv"])[:n].float()
+            kpe = kpe_cache[pages].reshape(-1, a["kpe"])[:n].float()
+            rows = slice(qo[b], qo[b + 1])
+            scores = (torch.einsum("qhc,tc->qht", q_nope[rows].float(), ckv)
+                      + torch.einsum("qhr,tr->qht", q_pe[rows].float(), kpe)) * a["sm_scale"]
+            if a["causal"]:
+                pos = n - (qo[b + 1] - qo[b]) + torch.arange(qo[b + 1] - qo[b])[:, None, None]
+                scores = scores.masked_fill(torch.arange(n)[None, None, :] > pos, float("-inf"))
+            outs.append(torch.einsum("qht,tc->qhc", torch.softmax(scores, -1), ckv))
+        return torch.cat(outs).to(q_nope.dtype)
+
+
 def merge_state(va: torch.Tensor, sa: torch.Tensor, vb: torch.Tensor,
                 sb: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     top = torch.maximum(sa, sb)
@@ -166,4 +228,5 @@ def module() -> SimpleNamespace:
         BatchDecodeWithPagedKVCacheWrapper=BatchDecodeWithPagedKVCacheWrapper,
         BatchPrefillWithPagedKVCacheWrapper=BatchPrefillWithPagedKVCacheWrapper,
         BatchPrefillWithRaggedKVCacheWrapper=BatchPrefillWithRaggedKVCacheWrapper,
-        merge_state=merge_state)
+        merge_state=merge_state,
+        mla=SimpleNamespace(BatchMLAPagedAttentionWrapper=BatchMLAPagedAttentionWrapper))

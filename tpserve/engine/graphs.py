@@ -49,7 +49,7 @@ from tpserve.dist import CommSwitch
 from tpserve.engine.buckets import graph_spans, inert_batch, pad_forward_batch
 from tpserve.engine.forward_batch import ForwardBatch
 from tpserve.engine.static_forward import StaticForward
-from tpserve.layers.attention.base import AttentionBackend
+from tpserve.layers.attention.base import GraphPlanned
 
 log = logging.getLogger(__name__)
 
@@ -74,7 +74,7 @@ class _Captured:
     batch: ForwardBatch  # static inputs
     extras: dict[str, torch.Tensor]
     outputs: tuple[torch.Tensor, ...]
-    backends: tuple[AttentionBackend, ...] = ()  # planned on the host before each replay
+    backends: tuple[GraphPlanned, ...] = ()  # planned on the host before each replay
 
 
 class CudaGraphExecutor:

@@ -24,24 +24,25 @@ import torch
 
 from tpserve.engine.buckets import pad_rows
 from tpserve.engine.forward_batch import ForwardBatch
-from tpserve.layers.attention.base import AttentionBackend
+from tpserve.layers.attention.base import GraphPlanned
 
 log = logging.getLogger(__name__)
 
 ForwardFn = Callable[[ForwardBatch, dict[str, torch.Tensor]], tuple[torch.Tensor, ...]]
-BackendsFn = Callable[[], tuple[AttentionBackend, ...]]
+BackendsFn = Callable[[], tuple[GraphPlanned, ...]]
 
 
-def _no_backends() -> tuple[AttentionBackend, ...]:
+def _no_backends() -> tuple[GraphPlanned, ...]:
     return ()
 
 
 def attention_of(model: Any) -> BackendsFn:
-    """The attention backend ``model`` has when asked (a live change may replace it); models
-    with their own kind of attention (MLA) have none the executor must plan for."""
-    def backends() -> tuple[AttentionBackend, ...]:
+    """The attention backend ``model`` has when asked (a live change may replace it), where it
+    plans on the host around CUDA graphs (``GraphPlanned``); the ``mla`` backend, whose
+    preparation is all device work, has nothing for the executor to do."""
+    def backends() -> tuple[GraphPlanned, ...]:
         backend = getattr(model, "attention", None)
-        return (backend,) if isinstance(backend, AttentionBackend) else ()
+        return (backend,) if isinstance(backend, GraphPlanned) else ()
 
     return backends
 

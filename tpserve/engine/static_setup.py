@@ -51,6 +51,8 @@ FLASHINFER_WRAPPER_BYTES = 8 << 20
 # context limit at a large batch bucket does not take the KV cache's memory at start-up
 # (DeepSeek-V3's MLA at 160K keys and bucket 64 would reserve ~48 GB of a GPU).
 GRAPH_GATHER_BYTES = 2 << 30
+# Backends whose decode graphs read the pages a replay plans (one graph a bucket, no gather).
+IN_PLACE_DECODE = ("flashinfer", "flashinfer_mla")
 
 
 @dataclass(frozen=True)
@@ -106,7 +108,7 @@ def graph_reserve_bytes(args: ServerArgs, shape: ModelShape, context_length: int
     if not uses_graphs(args, device):
         return 0
     sizes, keys = batch_sizes(args), max_keys(context_length, args.page_size)
-    flashinfer = shape.attention == "flashinfer"
+    flashinfer = shape.attention in IN_PLACE_DECODE
     ladder = graph_spans(sizes, key_spans(keys, args.page_size), gather_tokens(shape))
 
     def graphs_of(q: int) -> list[tuple[int, int]]:
@@ -197,6 +199,9 @@ def graph_attention_line(requested: str, backend: Any, device: torch.device) -> 
         why = ("decode graphs replay FlashInfer's CUDA-graph decode over the pages each step "
                "uses; draft/verify graphs gather with torch, at the narrowest captured key "
                "span that holds the step")
+    elif name == "flashinfer_mla":
+        why = ("MLA decode graphs replay FlashInfer's paged MLA kernel over the pages each step "
+               "uses; other steps gather with torch, at the narrowest captured key span")
     elif name == "torch":
         reason = None
         if requested == "auto":
@@ -205,7 +210,7 @@ def graph_attention_line(requested: str, backend: Any, device: torch.device) -> 
             "; each replayed step gathers keys at the narrowest captured key span that "
             "holds it (4096 keys up by 4x to the context limit)")
     else:
-        why = "the model's own attention"
+        why = "the model's own attention, gathered at the narrowest captured key span"
     return f"CUDA graphs: attention backend '{name}' ({why})"
 
 

@@ -15,7 +15,8 @@ from torch import nn
 from tpserve.engine.forward_batch import ForwardBatch
 from tpserve.engine.kv_cache import KVLayout
 from tpserve.layers.mla import MLAttention
-from tpserve.layers.mla_attention import BoundMLA, MLABackend
+from tpserve.layers.mla_attention import BoundMLA
+from tpserve.layers.mla_flashinfer import FlashInferBoundMLA, choose_mla_backend
 from tpserve.layers.mlp import GatedMLP
 from tpserve.layers.moe import SparseMoE
 from tpserve.layers.norm import RMSNorm
@@ -63,13 +64,17 @@ class DeepseekV3ForCausalLM(DecoderLM):
         super().__init__(cfg, tp, dtype, device, layers, rotary)
 
     def set_attention_backend(self, name: str) -> None:
-        """MLA attends over the latent with its own backend, whatever ``name`` says: the GQA
-        kernels cannot read a latent cache."""
-        weight = self.embed_tokens.weight
-        assert self.cfg.mla is not None
-        self.attention = MLABackend(self.cfg.mla.latent_dim, weight.dtype, weight.device)
+        """MLA attends over the latent with its own backends (the GQA kernels cannot read a
+        latent cache): FlashInfer's paged MLA kernel for decode where ``name`` is ``auto`` or
+        ``flashinfer`` and it runs and agrees on this GPU, else ``mla`` (``mla_flashinfer``)."""
+        weight, mla = self.embed_tokens.weight, self.cfg.mla
+        assert mla is not None
+        attn = self.layers[0].self_attn
+        self.attention = choose_mla_backend(name, mla.latent_dim, mla.kv_lora_rank,
+                                            mla.qk_rope_head_dim, attn.heads, attn.scale,
+                                            weight.dtype, weight.device)
 
-    def bind_attention(self, batch: ForwardBatch) -> BoundMLA:
+    def bind_attention(self, batch: ForwardBatch) -> BoundMLA | FlashInferBoundMLA:
         return self.attention.bind(batch.attn)
 
     def kv_layout(self) -> KVLayout:

@@ -19,7 +19,7 @@ import functools
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import ClassVar, Protocol, runtime_checkable
 
 import torch
 
@@ -40,6 +40,20 @@ class AttentionSpec:
     @property
     def window(self) -> int:
         return self.sliding_window or 0
+
+
+@runtime_checkable
+class GraphPlanned(Protocol):
+    """What a CUDA-graph executor calls on a step's attention around capture and replay (every
+    ``AttentionBackend``, and the MLA backends that plan on the host)."""
+
+    def graph_capture(self, static: AttentionMetadata) -> None: ...
+
+    def graph_replan(self, static: AttentionMetadata, meta: AttentionMetadata) -> None: ...
+
+    def graph_release(self, static: AttentionMetadata) -> None: ...
+
+    def graph_reads_in_place(self, static: AttentionMetadata) -> bool: ...
 
 
 @dataclass(frozen=True)

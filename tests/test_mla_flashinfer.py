@@ -1,0 +1,249 @@
+"""MLA decode through FlashInfer's paged MLA kernel (``layers/mla_flashinfer``).
+
+On CPU, against tests/fake_flashinfer.py's model of ``flashinfer.mla.BatchMLAPagedAttentionWrapper``
+(the glue: page layout, the strided ckv / kpe views of our cache, key counts, graph-mode
+buffers): eager decode equals the ``mla`` backend over fragmented pages and mixed lengths;
+other steps go to the ``mla`` backend; under CUDA graphs (stand-in graphs that re-run the
+forward on the static inputs) a replayed step reads only what ``graph_replan`` put in the
+wrapper's buffers, at one key span; the start-up agreement check passes on a faithful kernel
+and refuses a wrong one. On a GPU (marked ``gpu``), the real library against the ``mla``
+backend, and the choice ``auto`` makes there.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from tests import fake_flashinfer
+from tpserve.engine import graphs
+from tpserve.engine.forward_batch import ForwardBatch
+from tpserve.engine.graphs import CudaGraphExecutor, GraphConfig
+from tpserve.engine.static_forward import StaticForward
+from tpserve.layers.attention.metadata import AttentionMetadata, build_metadata
+from tpserve.layers.mla_attention import BoundMLA, MLABackend
+from tpserve.layers.mla_flashinfer import (
+    FlashInferBoundMLA,
+    FlashInferMLA,
+    _disagreement,
+    choose_mla_backend,
+    mla_flashinfer_agrees,
+)
+
+CPU = torch.device("cpu")
+C, R, HEADS, PAGE, POOL = 32, 8, 4, 4, 40  # a small latent: the fake takes any width
+SCALE = 0.2
+
+
+def _backend(device: torch.device = CPU, dtype: torch.dtype = torch.float32,
+             fi: Any = None, c: int = C, r: int = R, heads: int = HEADS) -> FlashInferMLA:
+    return FlashInferMLA(c + r, c, heads, SCALE, dtype, device,
+                         flashinfer=fi or fake_flashinfer.module())
+
+
+def _layout(seed: int, kv_lens: list[int], q_lens: list[int] | None = None,
+            device: torch.device = CPU) -> AttentionMetadata:
+    """Fragmented, non-overlapping pages (page 0 stays the dummy page), one row per request."""
+    rng = np.random.default_rng(seed)
+    need = [-(-k // PAGE) for k in kv_lens]
+    pages = rng.permutation(np.arange(1, POOL))[: sum(need)]
+    table = np.zeros((len(kv_lens), max(need)), dtype=np.int32)
+    at = 0
+    for b, n in enumerate(need):
+        table[b, :n] = pages[at: at + n]
+        at += n
+    q = np.array(q_lens or [1] * len(kv_lens), dtype=np.int32)
+    return build_metadata(table, q, np.array(kv_lens, dtype=np.int32), PAGE, device)
+
+
+def _inputs(seed: int, rows: int, dtype: torch.dtype = torch.float32, c: int = C, r: int = R,
+            heads: int = HEADS, device: torch.device = CPU) -> tuple[torch.Tensor, ...]:
+    g = torch.Generator().manual_seed(seed)
+    cache = torch.randn(POOL * PAGE, 1, c + r, generator=g)
+    parts = (cache, torch.randn(rows, heads, c, generator=g), torch.randn(rows, heads, r, generator=g),
+             torch.randn(rows, c + r, generator=g))
+    return tuple(t.to(device, dtype) for t in parts)
+
+
+def _both(backend: FlashInferMLA, meta: AttentionMetadata, seed: int
+          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    cache, q_latent, q_pe, latent = _inputs(seed, meta.num_rows)
+    mine, theirs = cache.clone(), cache.clone()
+    bound = backend.bind(meta)
+    assert isinstance(bound, FlashInferBoundMLA)
+    got = bound.absorbed(q_latent, q_pe, latent, mine, SCALE)
+    ref = backend.fallback.bind(meta).absorbed(q_latent, q_pe, latent, theirs, SCALE)
+    return got, ref, mine, theirs
+
+
+@pytest.mark.parametrize("kv_lens", [[1], [5, 17, 4, 9], [40, 2, 33]])
+def test_decode_equals_the_mla_backend(kv_lens: list[int]) -> None:
+    got, ref, mine, theirs = _both(_backend(), _layout(len(kv_lens), kv_lens), 7)
+    assert got.shape == (len(kv_lens), HEADS, C)
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+    assert torch.equal(mine, theirs)  # the step's latents written to the same slots
+
+
+def test_steps_other_than_plain_decode_use_the_mla_backend() -> None:
+    backend = _backend()
+    prefill = _layout(1, [6, 9], q_lens=[3, 2])
+    assert isinstance(backend.bind(prefill), BoundMLA)
+
+
+def test_the_eager_plan_follows_each_step() -> None:
+    backend = _backend()
+    for seed, lens in enumerate([[3, 30], [25], [8, 8, 8]]):
+        got, ref, _, _ = _both(backend, _layout(seed, lens), seed)
+        torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+
+
+class _ReplayByRerun:
+    def __init__(self, forward: StaticForward, fb: ForwardBatch, extras: dict[str, torch.Tensor],
+                 outputs: tuple[torch.Tensor, ...]) -> None:
+        self.forward, self.fb, self.extras, self.outputs = forward, fb, extras, outputs
+
+    def replay(self) -> None:
+        for out, new in zip(self.outputs, self.forward.fn(self.fb, self.extras), strict=True):
+            out.copy_(new)
+
+
+def _fake_record(forward: StaticForward, fb: ForwardBatch, extras: dict[str, torch.Tensor],
+                 pool: Any, device: torch.device) -> tuple[Any, tuple[torch.Tensor, ...]]:
+    forward.fn(fb, extras)
+    outputs = forward.fn(fb, extras)
+    return _ReplayByRerun(forward, fb, extras, outputs), outputs
+
+
+def test_decode_graphs_replay_over_the_pages_each_step_uses(monkeypatch: pytest.MonkeyPatch
+                                                            ) -> None:
+    monkeypatch.setattr(graphs, "_record", _fake_record)
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: None)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: None)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *a, **k: (0, 0))
+    backend = _backend()
+    cache = torch.zeros(POOL * PAGE, 1, C + R)
+    tables = [torch.zeros(64, HEADS, C), torch.zeros(64, HEADS, R), torch.zeros(64, C + R)]
+
+    def fn(fb: ForwardBatch, extras: dict[str, torch.Tensor]) -> tuple[torch.Tensor, ...]:
+        q_latent, q_pe, latent = (t[fb.input_ids] for t in tables)
+        return (backend.bind(fb.attn).absorbed(q_latent, q_pe, latent, cache, SCALE),)
+
+    forward = StaticForward("decode", 1, fn, backends=lambda: (backend,))
+    cfg = GraphConfig((2, 4), 48, PAGE, {}, (16, 32, 48))
+    executor = CudaGraphExecutor(cfg, CPU, None)
+    with torch.inference_mode():
+        executor.capture(forward)
+        assert executor.spans["decode"] == {2: (48,), 4: (48,)}  # reads pages in place
+        for seed, lens in enumerate([[5, 40, 3], [12, 1], [47, 30, 2, 9]]):
+            meta = _layout(seed, lens)
+            start, q_latent, q_pe, latent = _inputs(seed, len(lens))
+            for table, src in zip(tables, (q_latent, q_pe, latent), strict=True):
+                table[1: len(lens) + 1] = src
+            cache.copy_(start)
+            ids = torch.arange(1, len(lens) + 1)
+            out = executor.run("decode", ForwardBatch(ids, ids.clone(), meta, 1), {})
+            assert out is not None
+            ref = backend.fallback.bind(meta).absorbed(q_latent, q_pe, latent, start.clone(),
+                                                       SCALE)
+            torch.testing.assert_close(out[0], ref, rtol=1e-5, atol=1e-5)
+
+
+def test_the_agreement_check_passes_a_faithful_kernel_and_refuses_a_wrong_one(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    width = dict(c=512, r=64, heads=2)
+    assert _disagreement(_backend(**width), CPU) is None
+
+    class Wrong(fake_flashinfer.BatchMLAPagedAttentionWrapper):
+        def run(self, *args: Any, **kw: Any) -> torch.Tensor:
+            return super().run(*args, **kw) * 1.1
+
+    broken = fake_flashinfer.module()
+    broken.mla.BatchMLAPagedAttentionWrapper = Wrong
+    assert "differs from the mla backend" in str(_disagreement(_backend(fi=broken, **width), CPU))
+
+
+def test_cpu_keeps_the_mla_backend() -> None:
+    chosen = choose_mla_backend("auto", 576, 512, 64, 2, SCALE, torch.bfloat16, CPU)
+    assert isinstance(chosen, MLABackend)
+
+
+def test_an_unexpected_library_leaves_the_mla_backend(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where the kernel's set-up or run raises (another FlashInfer API), the check says why
+    instead of the server failing."""
+    broken = fake_flashinfer.module()
+    broken.mla.BatchMLAPagedAttentionWrapper = None  # calling it raises TypeError
+    monkeypatch.setitem(sys.modules, "flashinfer", broken)
+    mla_flashinfer_agrees.cache_clear()
+    try:
+        assert "TypeError" in str(mla_flashinfer_agrees(CPU, 2, torch.float32))
+    finally:
+        mla_flashinfer_agrees.cache_clear()
+
+
+# ---- the real library (GPU) ------------------------------------------------------------------
+
+def _real_flashinfer() -> bool:
+    return torch.cuda.is_available() and importlib.util.find_spec("flashinfer") is not None
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _real_flashinfer(), reason="needs CUDA and flashinfer-python")
+def test_gpu_kernel_matches_the_mla_backend_and_auto_chooses_it() -> None:
+    cuda = torch.device("cuda")
+    assert mla_flashinfer_agrees(cuda, 16, torch.bfloat16) is None
+    chosen = choose_mla_backend("auto", 576, 512, 64, 16, SCALE, torch.bfloat16, cuda)
+    assert isinstance(chosen, FlashInferMLA)
+    for seed, lens in enumerate([[1, 130, 7], [300, 16, 65, 2, 90]]):
+        meta = _layout(seed, [min(k, POOL * PAGE // len(lens) - PAGE) for k in lens],
+                       device=cuda)
+        cache, q_latent, q_pe, latent = _inputs(seed, meta.num_rows, torch.bfloat16, 512, 64,
+                                                16, cuda)
+        got = chosen.bind(meta).absorbed(q_latent, q_pe, latent, cache.clone(), SCALE)
+        ref = chosen.fallback.bind(meta).absorbed(q_latent, q_pe, latent, cache.clone(), SCALE)
+        assert (got.float() - ref.float()).abs().max() <= 0.02 * ref.float().abs().max()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _real_flashinfer(), reason="needs CUDA and flashinfer-python")
+def test_gpu_deepseek_decodes_through_the_kernel_eagerly_and_in_graphs(tmp_path: Any) -> None:
+    """A tiny DeepSeek-V3 with the real latent (512 + 64), bf16: ``auto`` picks the kernel,
+    decode graphs take one key span, and graphs give eager's greedy tokens."""
+    from tests.moe_checkpoints import make_moe_checkpoint
+    from tests.spec_helpers import args_for
+    from tpserve.engine.sampling_params import SamplingParams
+    from tpserve.offline import OfflineEngine
+
+    target = make_moe_checkpoint(tmp_path / "ds", "deepseek", kv_lora_rank=512,
+                                 qk_rope_head_dim=64)
+    gpu = dict(device="cuda", allreduce="nccl", max_total_tokens=8192, cuda_graph_bs=(1, 2, 4),
+               dtype="bfloat16")
+    prompts = [[1] + [(5 * i + 3 * j) % 90 + 3 for j in range(2 + 3 * i)] for i in range(3)]
+    params = SamplingParams(max_new_tokens=12, temperature=0.0, ignore_eos=True)
+    outs = {}
+    for graphs_on in (False, True):
+        engine = OfflineEngine(args_for(target, **gpu, disable_cuda_graph=not graphs_on))
+        assert engine.built.runner.model.attention.name == "flashinfer_mla"
+        if graphs_on:
+            assert engine.built.runner.graph_info["sets"]["decode"]["key_spans"] == [
+                engine.built.runner.graph_info["max_keys"]]
+        outs[graphs_on] = [o.output_ids for o in engine.generate(prompts, params)]
+        engine.close()
+    assert outs[True] == outs[False]
+
+
+def _choose_on_rank(rank: int, world: int) -> str | None:
+    """One rank of a gloo world: rank 1 finds the kernel unusable; both must learn it."""
+    import tpserve.layers.mla_flashinfer as mf
+
+    return mf._refused_elsewhere(rank != 1)
+
+
+def test_ranks_agree_on_the_mla_backend() -> None:
+    from tests.harness import spawn
+
+    assert spawn(2, _choose_on_rank) == ["another rank cannot run it"] * 2

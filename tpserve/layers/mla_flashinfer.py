@@ -1,0 +1,232 @@
+"""MLA decode through FlashInfer's paged MLA kernel (``BatchMLAPagedAttentionWrapper``), CUDA.
+
+The ``mla`` backend (``mla_attention``) gathers every request's latents into a [B, T, 576]
+tensor padded to the batch's longest request (in a CUDA graph: to the graph's key span), so
+one long request makes every row of the batch pay for its context. FlashInfer's kernel reads
+the pages in place: a decode step costs the pages its requests use.
+
+- Our cache [slots, 1, C + R] viewed as [pages, page_size, C + R] holds the kernel's two
+  caches as strided views: ``ckv`` = the first C values of each slot, ``kpe`` = the last R.
+- A plain decode step (one query per request, no speculative mask) is planned on the host
+  from the page table (O(pages used)) and runs the absorbed form; every other step (prefill,
+  mixed, speculative) and ``expanded`` go through the ``mla`` backend, as before.
+- CUDA graphs: a decode graph gets a graph-mode wrapper of its batch size over fixed buffers
+  (``flashinfer_graphs.DecodeGraphWrappers``), planned at capture and before each replay
+  (``graph_capture`` / ``graph_replan``), so a replayed step reads only its own pages and the
+  graph is captured at one key span (``graph_reads_in_place``).
+
+FlashInfer's kernels are built for DeepSeek-V3 / Kimi-K2's latent (C = 512, R = 64) in 16-bit
+types. ``mla_flashinfer_agrees`` runs a small decode through the kernel and through the ``mla``
+backend once per device; where it fails or disagrees the model keeps the ``mla`` backend and
+logs why (``choose_mla_backend``), so a library that behaves differently from what is modelled
+here costs speed, not answers. ``tests/test_mla_flashinfer.py`` checks it on a GPU.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from tpserve.layers.attention.flashinfer_backend import WORKSPACE_BYTES, paged_layout
+from tpserve.layers.attention.flashinfer_graphs import DecodeGraphWrappers
+from tpserve.layers.attention.metadata import AttentionMetadata, build_metadata
+from tpserve.layers.mla_attention import BoundMLA, MLABackend
+
+log = logging.getLogger(__name__)
+
+KV_LORA_RANK, ROPE_DIM = 512, 64  # the latent FlashInfer's MLA kernels are built for
+DTYPES = (torch.float16, torch.bfloat16)
+AGREE_TOLERANCE = 0.02  # of the reference's largest value: bf16 rounding of two summations
+
+
+def unavailable_reason(kv_lora_rank: int, rope_dim: int, dtype: torch.dtype,
+                       device: torch.device) -> str | None:
+    """None where FlashInfer's MLA kernel can serve this latent, else one line why not."""
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return "needs a CUDA device"
+    if importlib.util.find_spec("flashinfer") is None:
+        return "flashinfer-python is not installed (pip install 'tpserve[gpu]')"
+    if (kv_lora_rank, rope_dim) != (KV_LORA_RANK, ROPE_DIM):
+        return f"its kernels take a {KV_LORA_RANK} + {ROPE_DIM} latent, not {kv_lora_rank} + {rope_dim}"
+    if dtype not in DTYPES:
+        return f"KV cache dtype {dtype} is not fp16/bf16"
+    if torch.cuda.get_device_capability(device)[0] < 8:
+        return "needs compute capability 8.0 or newer"
+    return None
+
+
+def _plain_decode(meta: AttentionMetadata) -> bool:
+    return meta.custom_mask is None and meta.is_decode and meta.num_rows == meta.batch_size
+
+
+@dataclass(frozen=True)
+class FlashInferBoundMLA:
+    """One plain decode step's planned MLA attention, handed to every layer (``BoundMLA``'s
+    interface)."""
+
+    meta: AttentionMetadata
+    wrapper: Any  # planned for this step (or, in a graph, before each replay)
+    fallback: MLABackend  # for ``expanded`` (not used by decode steps)
+    kv_lora_rank: int
+
+    @property
+    def max_q_len(self) -> int:
+        return self.meta.max_q_len
+
+    def absorbed(self, q_latent: torch.Tensor, q_pe: torch.Tensor, latent: torch.Tensor,
+                 cache: torch.Tensor, scale: float) -> torch.Tensor:
+        """q_latent [N, H, C], q_pe [N, H, R], latent [N, C + R] -> [N, H, C]. ``scale`` was
+        given to the plan (the kernel takes it there)."""
+        cache[self.meta.write_slots] = latent.unsqueeze(1).to(cache.dtype)
+        paged = cache.view(-1, self.meta.page_size, cache.shape[-1])
+        c = self.kv_lora_rank
+        out = self.wrapper.run(q_latent.to(cache.dtype).contiguous(),
+                               q_pe.to(cache.dtype).contiguous(), paged[..., :c], paged[..., c:])
+        return out.to(q_latent.dtype)
+
+    def expanded(self, *args: Any) -> torch.Tensor:
+        bound: BoundMLA = self.fallback.bind(self.meta)
+        return bound.expanded(*args)
+
+
+class FlashInferMLA:
+    """Prepares a step once for every MLA layer: FlashInfer for plain decode, else ``mla``."""
+
+    name = "flashinfer_mla"
+
+    def __init__(self, latent_dim: int, kv_lora_rank: int, heads: int, scale: float,
+                 dtype: torch.dtype, device: torch.device, flashinfer: Any = None) -> None:
+        if flashinfer is None:
+            import flashinfer
+        self.kv_lora_rank, self.heads, self.scale, self.dtype = kv_lora_rank, heads, scale, dtype
+        self.rope_dim = latent_dim - kv_lora_rank
+        self.fallback = MLABackend(latent_dim, dtype, device)
+        workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
+        wrapper = flashinfer.mla.BatchMLAPagedAttentionWrapper
+        self._eager = wrapper(workspace)
+
+        def graph_wrapper(paged_kv_indptr_buffer: torch.Tensor,
+                          paged_kv_indices_buffer: torch.Tensor,
+                          paged_kv_last_page_len_buffer: torch.Tensor) -> Any:
+            # The per-request buffer holds key counts here (the kernel's kv_len_arr); the
+            # query offsets of a decode batch are 0..B, fixed for the wrapper's batch size.
+            batch = paged_kv_last_page_len_buffer.numel()
+            qo = torch.arange(batch + 1, dtype=torch.int32, device=device)
+            return wrapper(workspace, use_cuda_graph=True, qo_indptr=qo,
+                           kv_indptr=paged_kv_indptr_buffer, kv_indices=paged_kv_indices_buffer,
+                           kv_len_arr=paged_kv_last_page_len_buffer)
+
+        self._graphs = DecodeGraphWrappers(graph_wrapper, device)
+        # id(static metadata) -> (it, its graph wrapper or None: the ``mla`` path)
+        self._static: dict[int, tuple[AttentionMetadata, Any]] = {}
+
+    def _plan(self, wrapper: Any, meta: AttentionMetadata) -> None:
+        host = meta.host
+        indptr, indices, _ = paged_layout(host.page_table, host.kv_lens, meta.page_size)
+        batch = meta.batch_size
+        wrapper.plan(torch.arange(batch + 1, dtype=torch.int32), indptr, indices,
+                     torch.from_numpy(host.kv_lens.astype(np.int32)), self.heads,
+                     self.kv_lora_rank, self.rope_dim, meta.page_size, False, self.scale,
+                     self.dtype, self.dtype)
+
+    def _bound(self, meta: AttentionMetadata, wrapper: Any) -> FlashInferBoundMLA:
+        return FlashInferBoundMLA(meta, wrapper, self.fallback, self.kv_lora_rank)
+
+    def bind(self, meta: AttentionMetadata) -> FlashInferBoundMLA | BoundMLA:
+        entry = self._static.get(id(meta))
+        if entry is not None and entry[0] is meta:  # a graph's static step: no host work
+            return self.fallback.bind(meta) if entry[1] is None else self._bound(meta, entry[1])
+        if not _plain_decode(meta):
+            return self.fallback.bind(meta)
+        self._plan(self._eager, meta)
+        return self._bound(meta, self._eager)
+
+    # CUDA-graph hooks (``AttentionBackend``'s, which the graph executor calls)
+    def graph_capture(self, static: AttentionMetadata) -> None:
+        wrapper = None
+        if _plain_decode(static):
+            wrapper = self._graphs.get(static.batch_size, int(static.page_table.shape[1]))
+            self._plan(wrapper, static)
+        self._static[id(static)] = (static, wrapper)
+
+    def graph_replan(self, static: AttentionMetadata, meta: AttentionMetadata) -> None:
+        wrapper = self._static[id(static)][1]
+        if wrapper is not None:
+            self._plan(wrapper, meta)
+
+    def graph_release(self, static: AttentionMetadata) -> None:
+        self._static.pop(id(static), None)
+
+    def graph_reads_in_place(self, static: AttentionMetadata) -> bool:
+        return _plain_decode(static)
+
+
+@functools.cache
+def mla_flashinfer_agrees(device: torch.device, heads: int, dtype: torch.dtype) -> str | None:
+    """None when FlashInfer's MLA decode matches the ``mla`` backend on a small random batch
+    (two requests over fragmented pages, one longer than a page), else why not."""
+    try:
+        return _disagreement(FlashInferMLA(KV_LORA_RANK + ROPE_DIM, KV_LORA_RANK, heads,
+                                           0.1, dtype, device), device)
+    except Exception as exc:  # noqa: BLE001 - any failure means: keep the mla backend
+        return f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:300]
+
+
+def _disagreement(backend: FlashInferMLA, device: torch.device) -> str | None:
+    page, width = 16, KV_LORA_RANK + ROPE_DIM
+    g = torch.Generator(device="cpu").manual_seed(0)
+    cache = torch.randn(8 * page, 1, width, generator=g).to(device, backend.dtype)
+    kv_lens, pages = [37, 5], [[5, 2, 7], [3, 0, 0]]
+    meta = build_metadata(page_table=np.array(pages, dtype=np.int32),
+                          q_lens=np.ones(2, dtype=np.int32),
+                          kv_lens=np.array(kv_lens, dtype=np.int32), page_size=page,
+                          device=device)
+    heads = backend.heads
+    q_latent = torch.randn(2, heads, KV_LORA_RANK, generator=g).to(device, backend.dtype)
+    q_pe = torch.randn(2, heads, ROPE_DIM, generator=g).to(device, backend.dtype)
+    latent = torch.randn(2, width, generator=g).to(device, backend.dtype)
+    got = backend.bind(meta).absorbed(q_latent, q_pe, latent, cache.clone(), backend.scale)
+    ref = backend.fallback.bind(meta).absorbed(q_latent, q_pe, latent, cache.clone(),
+                                              backend.scale)
+    err = float((got.float() - ref.float()).abs().max())
+    limit = AGREE_TOLERANCE * float(ref.float().abs().max())
+    return None if err <= limit else f"differs from the mla backend by {err:.3g} (limit {limit:.3g})"
+
+
+def _refused_elsewhere(usable_here: bool) -> str | None:
+    """Every rank must pick the same MLA backend: their decode graphs (one key span, or the
+    ladder) and so the collectives they capture follow it. None when every rank can use the
+    kernel (a CPU-side MIN over the job; only on CUDA, where every rank of a job asks)."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return None
+    flag = torch.tensor([int(usable_here)], dtype=torch.int32)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    return None if int(flag.item()) else "another rank cannot run it"
+
+
+def choose_mla_backend(requested: str, latent_dim: int, kv_lora_rank: int, rope_dim: int,
+                       heads: int, scale: float, dtype: torch.dtype, device: torch.device
+                       ) -> FlashInferMLA | MLABackend:
+    """FlashInfer's kernel for ``auto`` / ``flashinfer`` where it can run and agrees on this
+    device; otherwise the ``mla`` backend (logged with the reason where CUDA was asked)."""
+    fallback = MLABackend(latent_dim, dtype, device)
+    if requested not in ("auto", "flashinfer"):
+        return fallback
+    reason = unavailable_reason(kv_lora_rank, rope_dim, dtype, device)
+    if reason is None:
+        reason = mla_flashinfer_agrees(device, heads, dtype)
+    if device.type == "cuda":  # every rank takes part, whatever it found itself
+        elsewhere = _refused_elsewhere(reason is None)
+        reason = reason or elsewhere
+    if reason is None:
+        return FlashInferMLA(latent_dim, kv_lora_rank, heads, scale, dtype, device)
+    if device.type == "cuda":
+        log.info("MLA attention: the mla backend (FlashInfer's MLA kernel: %s)", reason)
+    return fallback
