@@ -1,10 +1,8 @@
 """FlashInfer under CUDA graphs, on CPU: the executor's capture/replan/replay plumbing against
 tests/fake_flashinfer.py's model of FlashInfer's CUDA-graph decode wrapper.
 
-A replay here re-runs the captured forward's Python on the graph's static inputs (a fake
-``graphs._record``): the backend must then do no host work of its own, so everything a replayed
-step knows about its pages has to come from ``graph_replan`` through the wrapper's fixed
-buffers, which is what a real replay reads. Outputs are checked against the float64 reference
+A replay here re-runs the captured forward's Python on the graph's static inputs
+(tests/stand_in_graphs.py). Outputs are checked against the float64 reference
 and the eager ``torch`` backend, over contexts of different lengths in one bucket, all longer
 than the one-key inert batch the graphs were captured on. The real library and real graphs are
 tests/test_cuda_graphs.py's (GPU only).
@@ -14,14 +12,12 @@ from __future__ import annotations
 
 import importlib.util
 import sys
-from typing import Any
 
 import pytest
 import torch
 
-from tests import fake_flashinfer
+from tests import fake_flashinfer, stand_in_graphs
 from tests.attention_cases import Case, make_case, reference
-from tpserve.engine import graphs
 from tpserve.engine.buckets import graph_spans, key_spans
 from tpserve.engine.forward_batch import ForwardBatch
 from tpserve.engine.graphs import CudaGraphExecutor, GraphConfig
@@ -36,32 +32,10 @@ PAGE, PAGES, POOL, VOCAB = 16, 20, 96, 64
 HEADS, DIM = (8, 2), 64
 
 
-class _ReplayByRerun:
-    """A stand-in CUDA graph: replay re-runs the forward on the static inputs it captured."""
-
-    def __init__(self, forward: StaticForward, fb: ForwardBatch,
-                 extras: dict[str, torch.Tensor], outputs: tuple[torch.Tensor, ...]) -> None:
-        self.forward, self.fb, self.extras, self.outputs = forward, fb, extras, outputs
-
-    def replay(self) -> None:
-        for out, new in zip(self.outputs, self.forward.fn(self.fb, self.extras), strict=True):
-            out.copy_(new)
-
-
-def _fake_record(forward: StaticForward, fb: ForwardBatch, extras: dict[str, torch.Tensor],
-                 pool: Any, device: torch.device) -> tuple[Any, tuple[torch.Tensor, ...]]:
-    forward.fn(fb, extras)  # warm-up
-    outputs = forward.fn(fb, extras)
-    return _ReplayByRerun(forward, fb, extras, outputs), outputs
-
-
 @pytest.fixture
 def cpu_graphs(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(sys.modules, "flashinfer", fake_flashinfer.module())
-    monkeypatch.setattr(graphs, "_record", _fake_record)
-    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: None)
-    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: None)
-    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *a, **k: (0, 0))
+    stand_in_graphs.install(monkeypatch)
 
 
 class _Model:

@@ -20,8 +20,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests import fake_flashinfer
-from tpserve.engine import graphs
+from tests import fake_flashinfer, stand_in_graphs
 from tpserve.engine.forward_batch import ForwardBatch
 from tpserve.engine.graphs import CudaGraphExecutor, GraphConfig
 from tpserve.engine.static_forward import StaticForward
@@ -102,29 +101,9 @@ def test_the_eager_plan_follows_each_step() -> None:
         torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
 
 
-class _ReplayByRerun:
-    def __init__(self, forward: StaticForward, fb: ForwardBatch, extras: dict[str, torch.Tensor],
-                 outputs: tuple[torch.Tensor, ...]) -> None:
-        self.forward, self.fb, self.extras, self.outputs = forward, fb, extras, outputs
-
-    def replay(self) -> None:
-        for out, new in zip(self.outputs, self.forward.fn(self.fb, self.extras), strict=True):
-            out.copy_(new)
-
-
-def _fake_record(forward: StaticForward, fb: ForwardBatch, extras: dict[str, torch.Tensor],
-                 pool: Any, device: torch.device) -> tuple[Any, tuple[torch.Tensor, ...]]:
-    forward.fn(fb, extras)
-    outputs = forward.fn(fb, extras)
-    return _ReplayByRerun(forward, fb, extras, outputs), outputs
-
-
 def test_decode_graphs_replay_over_the_pages_each_step_uses(monkeypatch: pytest.MonkeyPatch
                                                             ) -> None:
-    monkeypatch.setattr(graphs, "_record", _fake_record)
-    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: None)
-    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: None)
-    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *a, **k: (0, 0))
+    stand_in_graphs.install(monkeypatch)
     backend = _backend()
     cache = torch.zeros(POOL * PAGE, 1, C + R)
     tables = [torch.zeros(64, HEADS, C), torch.zeros(64, HEADS, R), torch.zeros(64, C + R)]
