@@ -88,10 +88,33 @@ def test_decode_equals_the_mla_backend(kv_lens: list[int]) -> None:
     assert torch.equal(mine, theirs)  # the step's latents written to the same slots
 
 
-def test_steps_other_than_plain_decode_use_the_mla_backend() -> None:
+def test_prefill_and_mixed_steps_run_the_kernel_causally_in_both_forms() -> None:
+    """A prompt chunk beside decode rows: the kernel (causal) gives the mla backend's output,
+    for the absorbed form and for ``expanded`` (kv_b_proj's halves applied around it)."""
     backend = _backend()
-    prefill = _layout(1, [6, 9], q_lens=[3, 2])
-    assert isinstance(backend.bind(prefill), BoundMLA)
+    meta = _layout(1, [6, 9, 13], q_lens=[3, 1, 5])
+    got, ref, mine, theirs = _both(backend, meta, 3)
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+    assert torch.equal(mine, theirs)
+    g = torch.Generator().manual_seed(4)
+    nope, v = 6, 5
+    w_uk, w_uv = torch.randn(HEADS, nope, C, generator=g), torch.randn(HEADS, v, C, generator=g)
+    cache, _, q_pe, latent = _inputs(5, meta.num_rows)
+    q_nope = torch.randn(meta.num_rows, HEADS, nope, generator=g)
+    got = backend.bind(meta).expanded(q_nope, q_pe, latent, cache.clone(), SCALE, w_uk, w_uv)
+    ref = backend.fallback.bind(meta).expanded(q_nope, q_pe, latent, cache.clone(), SCALE,
+                                               w_uk, w_uv)
+    assert got.shape == ref.shape == (meta.num_rows, HEADS, v)
+    torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4)
+
+
+def test_speculative_steps_use_the_mla_backend() -> None:
+    base = _layout(1, [6, 9], q_lens=[2, 2])
+    mask = torch.ones(2, 2, 2, dtype=torch.bool)
+    tree = build_metadata(base.host.page_table, np.array([2, 2], dtype=np.int32),
+                          base.host.kv_lens, PAGE, CPU, mask_start=base.host.kv_lens - 2,
+                          custom_mask=mask)
+    assert isinstance(_backend().bind(tree), BoundMLA)
 
 
 def test_the_eager_plan_follows_each_step() -> None:

@@ -7,9 +7,10 @@ the pages in place: a decode step costs the pages its requests use.
 
 - Our cache [slots, 1, C + R] viewed as [pages, page_size, C + R] holds the kernel's two
   caches as strided views: ``ckv`` = the first C values of each slot, ``kpe`` = the last R.
-- A plain decode step (one query per request, no speculative mask) is planned on the host
-  from the page table (O(pages used)) and runs the absorbed form; every other step (prefill,
-  mixed, speculative) and ``expanded`` go through the ``mla`` backend, as before.
+- A step without a speculative mask (decode, prefill chunks, mixed steps: causal) is
+  planned on the host from the page table (O(pages used)) and runs the absorbed form, also
+  where the model asks for ``expanded`` (the kv_b_proj halves are applied around the kernel);
+  speculative steps (tree masks) go through the ``mla`` backend, as before.
 - CUDA graphs: a decode graph gets a graph-mode wrapper of its batch size over fixed buffers
   (``flashinfer_graphs.DecodeGraphWrappers``), planned at capture and before each replay
   (``graph_capture`` / ``graph_replan``), so a replayed step reads only its own pages and the
@@ -66,6 +67,12 @@ def _plain_decode(meta: AttentionMetadata) -> bool:
     return meta.custom_mask is None and meta.is_decode and meta.num_rows == meta.batch_size
 
 
+def _causal(meta: AttentionMetadata) -> bool:
+    """A step the kernel serves: anything without a speculative mask (decode, prefill chunks
+    and mixed steps: each request's query rows are the last of its keys, causally)."""
+    return meta.custom_mask is None
+
+
 @dataclass(frozen=True)
 class FlashInferBoundMLA:
     """One plain decode step's planned MLA attention, handed to every layer (``BoundMLA``'s
@@ -73,7 +80,7 @@ class FlashInferBoundMLA:
 
     meta: AttentionMetadata
     wrapper: Any  # planned for this step (or, in a graph, before each replay)
-    fallback: MLABackend  # for ``expanded`` (not used by decode steps)
+    fallback: MLABackend
     kv_lora_rank: int
 
     @property
@@ -91,13 +98,22 @@ class FlashInferBoundMLA:
                                q_pe.to(cache.dtype).contiguous(), paged[..., :c], paged[..., c:])
         return out.to(q_latent.dtype)
 
-    def expanded(self, *args: Any) -> torch.Tensor:
-        bound: BoundMLA = self.fallback.bind(self.meta)
-        return bound.expanded(*args)
+    def expanded(self, q_nope: torch.Tensor, q_pe: torch.Tensor, latent: torch.Tensor,
+                 cache: torch.Tensor, scale: float, w_uk: torch.Tensor,
+                 w_uv: torch.Tensor) -> torch.Tensor:
+        """``BoundMLA.expanded``'s result through the absorbed kernel: the key half of
+        kv_b_proj folded into the queries, the value half applied to the output. The torch
+        form would expand every request's latents into per-head keys and values up to the
+        batch's longest request, with a [B, Q, T] mask: a prefill chunk beside long-running
+        requests then takes tens of GB."""
+        q_latent = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)  # [N, H, C]
+        out = self.absorbed(q_latent, q_pe, latent, cache, scale)
+        return torch.bmm(out.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)
 
 
 class FlashInferMLA:
-    """Prepares a step once for every MLA layer: FlashInfer for plain decode, else ``mla``."""
+    """Prepares a step once for every MLA layer: FlashInfer for every step without a
+    speculative mask, else ``mla``."""
 
     name = "flashinfer_mla"
 
@@ -130,11 +146,10 @@ class FlashInferMLA:
     def _plan(self, wrapper: Any, meta: AttentionMetadata) -> None:
         host = meta.host
         indptr, indices, _ = paged_layout(host.page_table, host.kv_lens, meta.page_size)
-        batch = meta.batch_size
-        wrapper.plan(torch.arange(batch + 1, dtype=torch.int32), indptr, indices,
+        wrapper.plan(torch.from_numpy(host.q_indptr.astype(np.int32)), indptr, indices,
                      torch.from_numpy(host.kv_lens.astype(np.int32)), self.heads,
-                     self.kv_lora_rank, self.rope_dim, meta.page_size, False, self.scale,
-                     self.dtype, self.dtype)
+                     self.kv_lora_rank, self.rope_dim, meta.page_size, meta.max_q_len > 1,
+                     self.scale, self.dtype, self.dtype)
 
     def _bound(self, meta: AttentionMetadata, wrapper: Any) -> FlashInferBoundMLA:
         return FlashInferBoundMLA(meta, wrapper, self.fallback, self.kv_lora_rank)
@@ -143,7 +158,7 @@ class FlashInferMLA:
         entry = self._static.get(id(meta))
         if entry is not None and entry[0] is meta:  # a graph's static step: no host work
             return self.fallback.bind(meta) if entry[1] is None else self._bound(meta, entry[1])
-        if not _plain_decode(meta):
+        if not _causal(meta):
             return self.fallback.bind(meta)
         self._plan(self._eager, meta)
         return self._bound(meta, self._eager)
@@ -184,20 +199,24 @@ def _disagreement(backend: FlashInferMLA, device: torch.device) -> str | None:
     g = torch.Generator(device="cpu").manual_seed(0)
     cache = torch.randn(8 * page, 1, width, generator=g).to(device, backend.dtype)
     kv_lens, pages = [37, 5], [[5, 2, 7], [3, 0, 0]]
-    meta = build_metadata(page_table=np.array(pages, dtype=np.int32),
-                          q_lens=np.ones(2, dtype=np.int32),
-                          kv_lens=np.array(kv_lens, dtype=np.int32), page_size=page,
-                          device=device)
-    heads = backend.heads
-    q_latent = torch.randn(2, heads, KV_LORA_RANK, generator=g).to(device, backend.dtype)
-    q_pe = torch.randn(2, heads, ROPE_DIM, generator=g).to(device, backend.dtype)
-    latent = torch.randn(2, width, generator=g).to(device, backend.dtype)
-    got = backend.bind(meta).absorbed(q_latent, q_pe, latent, cache.clone(), backend.scale)
-    ref = backend.fallback.bind(meta).absorbed(q_latent, q_pe, latent, cache.clone(),
-                                              backend.scale)
-    err = float((got.float() - ref.float()).abs().max())
-    limit = AGREE_TOLERANCE * float(ref.float().abs().max())
-    return None if err <= limit else f"differs from the mla backend by {err:.3g} (limit {limit:.3g})"
+    for q_lens in ([1, 1], [3, 1]):  # a decode step, then a mixed one (a prompt chunk)
+        meta = build_metadata(page_table=np.array(pages, dtype=np.int32),
+                              q_lens=np.array(q_lens, dtype=np.int32),
+                              kv_lens=np.array(kv_lens, dtype=np.int32), page_size=page,
+                              device=device)
+        rows, heads = meta.num_rows, backend.heads
+        q_latent = torch.randn(rows, heads, KV_LORA_RANK, generator=g).to(device, backend.dtype)
+        q_pe = torch.randn(rows, heads, ROPE_DIM, generator=g).to(device, backend.dtype)
+        latent = torch.randn(rows, width, generator=g).to(device, backend.dtype)
+        got = backend.bind(meta).absorbed(q_latent, q_pe, latent, cache.clone(), backend.scale)
+        ref = backend.fallback.bind(meta).absorbed(q_latent, q_pe, latent, cache.clone(),
+                                                  backend.scale)
+        err = float((got.float() - ref.float()).abs().max())
+        limit = AGREE_TOLERANCE * float(ref.float().abs().max())
+        if err > limit:
+            return (f"differs from the mla backend by {err:.3g} (limit {limit:.3g}) at query "
+                    f"lengths {q_lens}")
+    return None
 
 
 def _refused_elsewhere(usable_here: bool) -> str | None:
