@@ -188,8 +188,11 @@ class BatchMLAPagedAttentionWrapper:
             raise ValueError("The batch size should be fixed in cudagraph mode")
         if len(kv_indices) > len(self.buffers[2]):
             raise ValueError("The size of indices should be less than or equal to the buffer")
-        for buf, src in zip(self.buffers, layout, strict=True):
+        for i, (buf, src) in enumerate(zip(self.buffers, layout, strict=True)):
+            if i != 2 and len(src) != len(buf):  # whole-buffer copies, as the library makes
+                raise ValueError("qo_indptr, kv_indptr and kv_len_arr must fill their buffers")
             buf[:len(src)].copy_(src)
+        self._plan_info = [len(kv_len_arr), num_heads]  # fixed for a batch, as the library's
 
     def run(self, q_nope: torch.Tensor, q_pe: torch.Tensor, ckv_cache: torch.Tensor,
             kpe_cache: torch.Tensor, return_lse: bool = False) -> torch.Tensor:

@@ -249,3 +249,40 @@ def test_ranks_agree_on_the_mla_backend() -> None:
     from tests.harness import spawn
 
     assert spawn(2, _choose_on_rank) == ["another rank cannot run it"] * 2
+
+
+def test_steps_past_the_kernels_limits_take_the_mla_backend(monkeypatch: pytest.MonkeyPatch
+                                                            ) -> None:
+    import tpserve.layers.mla_flashinfer as mf
+
+    backend = _backend()
+    monkeypatch.setattr(mf, "MAX_WORKS", 2)  # work tiles: ceil(q_len * heads / 64) a request
+    assert isinstance(backend.bind(_layout(1, [5, 9])), FlashInferBoundMLA)  # 1 + 1
+    assert isinstance(backend.bind(_layout(1, [50, 9], q_lens=[40, 1])), BoundMLA)  # 3 + 1
+    monkeypatch.setattr(mf, "MAX_WORKS", 16384)
+    monkeypatch.setattr(mf, "INDEX_LIMIT", POOL * PAGE * (C + R))  # this cache is too large
+    meta = _layout(2, [7, 20])
+    bound = backend.bind(meta)
+    assert isinstance(bound, FlashInferBoundMLA)
+    bound.wrapper.run = None  # the kernel must not be called
+    cache, q_latent, q_pe, latent = _inputs(2, 2)
+    got = bound.absorbed(q_latent, q_pe, latent, cache.clone(), SCALE)
+    ref = backend.fallback.bind(meta).absorbed(q_latent, q_pe, latent, cache.clone(), SCALE)
+    assert torch.equal(got, ref)
+
+
+def test_a_plan_whose_launch_changes_under_a_graph_is_refused() -> None:
+    backend = _backend()
+    static = _layout(0, [40, 40])  # as wide as the replans need
+    backend.graph_capture(static)
+    wrapper = backend._static[id(static)][1]
+    backend.graph_replan(static, _layout(1, [30, 4]))  # the same launch: fine
+    plan = wrapper.plan
+
+    def shifted(*args: Any, **kw: Any) -> None:
+        plan(*args, **kw)
+        wrapper._plan_info = [99]
+
+    wrapper.plan = shifted
+    with pytest.raises(RuntimeError, match="launch parameters under a CUDA graph"):
+        backend.graph_replan(static, _layout(2, [12, 4]))

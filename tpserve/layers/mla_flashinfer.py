@@ -45,6 +45,11 @@ log = logging.getLogger(__name__)
 KV_LORA_RANK, ROPE_DIM = 512, 64  # the latent FlashInfer's MLA kernels are built for
 DTYPES = (torch.float16, torch.bfloat16)
 AGREE_TOLERANCE = 0.02  # of the reference's largest value: bf16 rounding of two summations
+# Limits of the kernels as read in FlashInfer's source (scheduler.cuh MLAPlan, mla_hopper.cuh):
+# the plan's per-work arrays hold 16384 entries, unchecked; work tiles pack 64 (query row x
+# head) pairs; page offsets into a layer's cache and query offsets are 32-bit. A step or a
+# cache past them goes through the mla backend instead.
+MAX_WORKS, TILE_ROWS, INDEX_LIMIT = 16384, 64, 2**32
 
 
 def unavailable_reason(kv_lora_rank: int, rope_dim: int, dtype: torch.dtype,
@@ -91,6 +96,8 @@ class FlashInferBoundMLA:
                  cache: torch.Tensor, scale: float) -> torch.Tensor:
         """q_latent [N, H, C], q_pe [N, H, R], latent [N, C + R] -> [N, H, C]. ``scale`` was
         given to the plan (the kernel takes it there)."""
+        if cache.numel() >= INDEX_LIMIT:  # a few-layer model with a huge pool
+            return self.fallback.bind(self.meta).absorbed(q_latent, q_pe, latent, cache, scale)
         cache[self.meta.write_slots] = latent.unsqueeze(1).to(cache.dtype)
         paged = cache.view(-1, self.meta.page_size, cache.shape[-1])
         c = self.kv_lora_rank
@@ -140,8 +147,11 @@ class FlashInferMLA:
                            kv_len_arr=paged_kv_last_page_len_buffer)
 
         self._graphs = DecodeGraphWrappers(graph_wrapper, device)
+        self._sms = (torch.cuda.get_device_properties(device).multi_processor_count
+                     if device.type == "cuda" else 0)
         # id(static metadata) -> (it, its graph wrapper or None: the ``mla`` path)
         self._static: dict[int, tuple[AttentionMetadata, Any]] = {}
+        self._captured_plans: dict[int, Any] = {}  # id(graph wrapper) -> its plan at capture
 
     def _plan(self, wrapper: Any, meta: AttentionMetadata) -> None:
         host = meta.host
@@ -151,6 +161,12 @@ class FlashInferMLA:
                      self.kv_lora_rank, self.rope_dim, meta.page_size, meta.max_q_len > 1,
                      self.scale, self.dtype, self.dtype)
 
+    def _fits(self, meta: AttentionMetadata) -> bool:
+        """Whether the step's work stays within the plan's arrays and 32-bit query offsets."""
+        q_lens = np.diff(meta.host.q_indptr.astype(np.int64))
+        works = int((-(-q_lens * self.heads // TILE_ROWS)).sum()) + 2 * self._sms
+        return works <= MAX_WORKS and meta.num_rows * self.heads * self.kv_lora_rank < INDEX_LIMIT
+
     def _bound(self, meta: AttentionMetadata, wrapper: Any) -> FlashInferBoundMLA:
         return FlashInferBoundMLA(meta, wrapper, self.fallback, self.kv_lora_rank)
 
@@ -158,7 +174,7 @@ class FlashInferMLA:
         entry = self._static.get(id(meta))
         if entry is not None and entry[0] is meta:  # a graph's static step: no host work
             return self.fallback.bind(meta) if entry[1] is None else self._bound(meta, entry[1])
-        if not _causal(meta):
+        if not _causal(meta) or not self._fits(meta):
             return self.fallback.bind(meta)
         self._plan(self._eager, meta)
         return self._bound(meta, self._eager)
@@ -169,18 +185,37 @@ class FlashInferMLA:
         if _plain_decode(static):
             wrapper = self._graphs.get(static.batch_size, int(static.page_table.shape[1]))
             self._plan(wrapper, static)
+            self._captured_plans[id(wrapper)] = _plan_key(wrapper)
         self._static[id(static)] = (static, wrapper)
 
     def graph_replan(self, static: AttentionMetadata, meta: AttentionMetadata) -> None:
+        """Re-plan before a replay. The captured launch keeps the plan's host values (grid,
+        offsets into the workspace), which FlashInfer keeps fixed for a fixed batch of decode
+        rows, and the new schedule goes into the workspace. Should a version make them depend
+        on the layout, a replay would read a stale plan: refuse loudly instead."""
         wrapper = self._static[id(static)][1]
-        if wrapper is not None:
-            self._plan(wrapper, meta)
+        if wrapper is None:
+            return
+        self._plan(wrapper, meta)
+        if _plan_key(wrapper) != self._captured_plans.get(id(wrapper)):
+            raise RuntimeError("FlashInfer's MLA plan changed its launch parameters under a "
+                               "CUDA graph (this flashinfer version does not keep them fixed): "
+                               "serve with --disable-cuda-graph or --attention-backend torch")
 
     def graph_release(self, static: AttentionMetadata) -> None:
         self._static.pop(id(static), None)
 
     def graph_reads_in_place(self, static: AttentionMetadata) -> bool:
         return _plain_decode(static)
+
+
+def _plan_key(wrapper: Any) -> Any:
+    """The host values a captured launch keeps from the last plan (FlashInfer's plan_info)."""
+    info = getattr(wrapper, "_plan_info", None)
+    try:
+        return tuple(int(x) for x in info)  # type: ignore[union-attr]
+    except TypeError:
+        return repr(info)
 
 
 @functools.cache
