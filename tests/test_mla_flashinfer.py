@@ -286,3 +286,18 @@ def test_a_plan_whose_launch_changes_under_a_graph_is_refused() -> None:
     wrapper.plan = shifted
     with pytest.raises(RuntimeError, match="launch parameters under a CUDA graph"):
         backend.graph_replan(static, _layout(2, [12, 4]))
+
+
+def test_a_layout_dependent_plan_keeps_the_graph_on_the_mla_backend() -> None:
+    class Shifting(fake_flashinfer.BatchMLAPagedAttentionWrapper):
+        def plan(self, *args: Any, **kw: Any) -> None:
+            super().plan(*args, **kw)
+            self._plan_info = [int(args[3].sum())]  # depends on the key counts
+
+    fi = fake_flashinfer.module()
+    fi.mla.BatchMLAPagedAttentionWrapper = Shifting
+    backend = _backend(fi=fi)
+    static = _layout(0, [3, 1])  # one page a row; the longest rows would fill it
+    backend.graph_capture(static)
+    assert backend._static[id(static)][1] is None
+    assert isinstance(backend.bind(static), BoundMLA)

@@ -184,8 +184,18 @@ class FlashInferMLA:
         wrapper = None
         if _plain_decode(static):
             wrapper = self._graphs.get(static.batch_size, int(static.page_table.shape[1]))
+            # A plan for the longest rows the graph can serve, then the capture's own: if
+            # their launch parameters differ, replays could not follow the layout.
+            self._plan(wrapper, _longest(static))
+            longest = _plan_key(wrapper)
             self._plan(wrapper, static)
-            self._captured_plans[id(wrapper)] = _plan_key(wrapper)
+            if _plan_key(wrapper) == longest:
+                self._captured_plans[id(wrapper)] = longest
+            else:
+                log.warning("FlashInfer's MLA plan depends on the layout in this version: "
+                            "decode graphs of batch %d attend through the mla backend",
+                            static.batch_size)
+                wrapper = None
         self._static[id(static)] = (static, wrapper)
 
     def graph_replan(self, static: AttentionMetadata, meta: AttentionMetadata) -> None:
@@ -207,6 +217,16 @@ class FlashInferMLA:
 
     def graph_reads_in_place(self, static: AttentionMetadata) -> bool:
         return _plain_decode(static)
+
+
+def _longest(static: AttentionMetadata) -> AttentionMetadata:
+    """``static``'s batch with every row as long as its page table allows (page 0 throughout:
+    only planned, never run)."""
+    table = np.zeros_like(static.host.page_table)
+    rows = static.batch_size
+    return build_metadata(table, np.ones(rows, dtype=np.int32),
+                          np.full(rows, table.shape[1] * static.page_size, dtype=np.int32),
+                          static.page_size, static.page_table.device)
 
 
 def _plan_key(wrapper: Any) -> Any:
