@@ -53,13 +53,7 @@ from tpserve.models.registry import build_model
 from tpserve.preflight import check_before_loading
 from tpserve.spec.config import SpecConfig, spec_config_from_args
 from tpserve.spec.decoder import SpecDecoder
-from tpserve.spec.setup import (
-    LoadedDraft,
-    draft_tp_context,
-    load_draft,
-    make_decoder,
-    with_target_embedding,
-)
+from tpserve.spec.setup import LoadedDraft, draft_tp_context, load_draft, make_decoder
 
 log = logging.getLogger("tpserve")
 
@@ -139,8 +133,8 @@ def build_engine(args: ServerArgs, on_stage: StageHook = _no_hook) -> BuiltEngin
         with stage("loading the draft model", on_stage):
             draft_tp = draft_tp_context(args.speculative_draft_tp, tp)
             draft = load_draft(spec_cfg, str(args.speculative_draft_model_path), cfg, draft_tp,
-                               dtype, info.device, max_position, ROTARY_HEADROOM)
-            draft = with_target_embedding(draft, model.embed_tokens)
+                               dtype, info.device, max_position, ROTARY_HEADROOM,
+                               model.embed_tokens)
             draft.model.set_attention_backend(attention)
     with stage("allocating KV cache", on_stage):
         kv = make_kv(args, model, draft, info, dtype, context_length)

@@ -1,8 +1,9 @@
 """Building the speculative decoder on a rank: the draft model first, then its KV cache.
 
 The draft's weights, and the copy of the target's embedding it may need, are made before
-the KV cache is sized (so a GPU's free memory already accounts for them), and its KV shares the target's pages, so the builder sizes the page pool
-for both layouts together (``LoadedDraft.kv_layout``).
+the KV cache is sized (so a GPU's free memory already accounts for them), and its KV shares
+the target's pages, so the builder sizes the page pool for both layouts together
+(``LoadedDraft.kv_layout``).
 
 ``--speculative-draft-tp 1`` (the default) gives every rank the whole draft and a whole copy
 of the target's embedding table: every rank then drafts the same tree from the same inputs
@@ -13,7 +14,7 @@ of a sharded draft step cost far more than the duplicated arithmetic.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -44,7 +45,7 @@ class LoadedDraft:
     model: Eagle3Draft
     aux_layers: tuple[int, ...]
     kv_layout: KVLayout  # per token, on this rank (one layer)
-    embed: nn.Module | None = None  # the table the draft reads (``with_target_embedding``)
+    embed: nn.Module  # the target's embedding table as the draft reads it (draft_embedding)
 
 
 def draft_tp_context(draft_tp: int, tp: TPContext) -> TPContext:
@@ -59,11 +60,14 @@ def draft_tp_context(draft_tp: int, tp: TPContext) -> TPContext:
 
 def load_draft(cfg: SpecConfig, draft_path: str, target: ModelConfig, tp: TPContext,
                dtype: torch.dtype, device: torch.device, max_position: int,
-               headroom: int) -> LoadedDraft:
+               headroom: int, target_embed: VocabParallelEmbedding) -> LoadedDraft:
     """Load the EAGLE-3 draft for ``target``; problems raise ConfigError.
 
     ``tp``: the draft's own context (``draft_tp_context``).
     ``headroom``: positions the rotary tables reach past the context (tree nodes sit there).
+    ``target_embed``: the target's embedding; the draft's view of it is made here, with the
+    draft's weights (on a GPU rank at TP > 1 a gathered copy of the whole table, which must
+    exist before the KV cache is sized from the free memory).
     """
     if cfg.num_steps + 1 >= headroom:
         raise ConfigError(f"--speculative-num-steps must be below {headroom - 1}",
@@ -81,7 +85,7 @@ def load_draft(cfg: SpecConfig, draft_path: str, target: ModelConfig, tp: TPCont
     layout = KVLayout.gqa(1, draft.self_attn.kv_heads, draft_cfg.base.head_dim)
     log.info("EAGLE-3 draft: aux layer inputs %s, steps %d, topk %d, %d draft tokens",
              aux, cfg.num_steps, cfg.topk, cfg.num_draft_tokens)
-    return LoadedDraft(draft, aux, layout)
+    return LoadedDraft(draft, aux, layout, draft_embedding(target_embed, tp))
 
 
 def make_decoder(loaded: LoadedDraft, cfg: SpecConfig, runner: ModelRunner, tp: TPContext,
@@ -91,11 +95,10 @@ def make_decoder(loaded: LoadedDraft, cfg: SpecConfig, runner: ModelRunner, tp: 
     kv = runner.kv.cfg
     draft_kv = backed_kv(KVCacheConfig(kv.num_pages, kv.page_size, loaded.kv_layout, kv.dtype),
                          runner.device, runner.kv.prefault)
-    embed = (loaded.embed if loaded.embed is not None
-             else draft_embedding(runner.model.embed_tokens, loaded.model.tp))
     drafting = drafting_rank(draft_ranks, tp.size, loaded.model.tp.size, runner.device,
                              runner.model.cfg.vocab_size)
-    return SpecDecoder(Drafter(runner, loaded.model, draft_kv, cfg, loaded.aux_layers, embed,
+    return SpecDecoder(Drafter(runner, loaded.model, draft_kv, cfg, loaded.aux_layers,
+                               loaded.embed,
                                drafting, tp.rank, tp.size))
 
 
@@ -145,10 +148,3 @@ def draft_embedding(target: VocabParallelEmbedding, draft_tp: TPContext) -> nn.M
                                   torch.device("meta"))
     full.weight = nn.Parameter(rows[: target.vocab], requires_grad=False)
     return full.eval()
-
-
-def with_target_embedding(loaded: LoadedDraft, target: VocabParallelEmbedding) -> LoadedDraft:
-    """``loaded`` with the embedding its draft will read (``draft_embedding``), made now: on a
-    GPU rank at TP > 1 that is a gathered copy of the whole table, which must exist before
-    the KV cache is sized from the free memory."""
-    return replace(loaded, embed=draft_embedding(target, loaded.model.tp))
