@@ -102,8 +102,9 @@ class CudaGraphExecutor:
             return None  # captured kernels belong to the backend active at capture
         batch = fb.batch_size
         bucket = next((b for b in self.cfg.batch_sizes if b >= batch), None)
-        spans = self.spans[name].get(bucket, ()) if bucket is not None else ()
-        span = next((k for k in spans if k >= fb.attn.max_kv_len), None)
+        # No bucket holds the batch, or none of its spans the longest request: eager.
+        span = next((k for k in self.spans[name].get(bucket, ()) if k >= fb.attn.max_kv_len),
+                    None)
         if bucket is None or span is None:
             return None
         cap = graphs[(bucket, span)]
@@ -249,7 +250,7 @@ def _copy_inputs(static: ForwardBatch, fb: ForwardBatch) -> None:
         getattr(dst, name).copy_(getattr(src, name), non_blocking=True)
     # A plan's table is as wide as its longest page list, which may hold pages reserved past
     # the captured width (the speculative reserve near the context limit); attention never
-    # reads them (``run`` checked every key count against ``max_keys``).
+    # reads them (``run`` checked every key count against the graph's key span).
     cols = min(src.page_table.shape[1], dst.page_table.shape[1])
     dst.page_table[:, :cols].copy_(src.page_table[:, :cols], non_blocking=True)
     if dst.custom_mask is not None and src.custom_mask is not None:

@@ -108,13 +108,14 @@ def graph_reserve_bytes(args: ServerArgs, shape: ModelShape, context_length: int
     if not uses_graphs(args, device):
         return 0
     sizes, keys = batch_sizes(args), max_keys(context_length, args.page_size)
-    flashinfer = shape.attention in IN_PLACE_DECODE
+    in_place = shape.attention in IN_PLACE_DECODE
     ladder = graph_spans(sizes, key_spans(keys, args.page_size), gather_tokens(shape))
 
     def graphs_of(q: int) -> list[tuple[int, int]]:
         """(bucket, keys gathered) of each graph of the forward with ``q`` queries: FlashInfer's
-        decode reads pages in place (one graph a bucket); the others gather at their spans."""
-        if flashinfer and q == 1:
+        decode (GQA or MLA) reads pages in place (one graph a bucket); the others gather at
+        their spans."""
+        if in_place and q == 1:
             return [(b, 0) for b in sizes]
         return [(b, k) for b, spans in ladder.items() for k in spans]
 
@@ -123,7 +124,7 @@ def graph_reserve_bytes(args: ServerArgs, shape: ModelShape, context_length: int
     out_row = shape.vocab * 4 + shape.hidden * shape.itemsize  # each graph keeps its outputs
     outputs = sum(b * q * out_row for q, gs in every.items() for b, _ in gs)
     wrappers = 0
-    if flashinfer:
+    if in_place:
         wrappers = FLASHINFER_WRAPPER_BYTES * len(sizes) + sizes[-1] * (keys // args.page_size) * 4
     return peak + outputs + wrappers + GRAPH_OVERHEAD * sum(len(gs) for gs in every.values())
 

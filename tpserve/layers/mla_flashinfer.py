@@ -290,9 +290,8 @@ def choose_mla_backend(requested: str, latent_dim: int, kv_lora_rank: int, rope_
                        ) -> FlashInferMLA | MLABackend:
     """FlashInfer's kernel for ``auto`` / ``flashinfer`` where it can run and agrees on this
     device; otherwise the ``mla`` backend (logged with the reason where CUDA was asked)."""
-    fallback = MLABackend(latent_dim, dtype, device)
     if requested not in ("auto", "flashinfer"):
-        return fallback
+        return MLABackend(latent_dim, dtype, device)
     reason = unavailable_reason(kv_lora_rank, rope_dim, dtype, device)
     if reason is None:
         reason = mla_flashinfer_agrees(device, heads, dtype)
@@ -303,4 +302,4 @@ def choose_mla_backend(requested: str, latent_dim: int, kv_lora_rank: int, rope_
         return FlashInferMLA(latent_dim, kv_lora_rank, heads, scale, dtype, device)
     if device.type == "cuda":
         log.info("MLA attention: the mla backend (FlashInfer's MLA kernel: %s)", reason)
-    return fallback
+    return MLABackend(latent_dim, dtype, device)
