@@ -72,34 +72,25 @@ class StepProfile:
 
 def _start(engine: OfflineEngine, batch: int, steps: int) -> None:
     """``batch`` greedy requests admitted and prefilled, with tokens for ``steps`` more."""
-    sched = engine.engine.scheduler
+    eng = engine.engine
     params = SamplingParams(max_new_tokens=steps + 2, temperature=0.0, ignore_eos=True)
     for i in range(batch):
-        sched.add(engine.request([1, 2, 3, 4 + i], params, {}))
-    while sched.has_work():  # the prompts: short, one step each at most
-        step_batch = sched.next_batch()
-        engine.engine.step(step_batch)
+        eng.scheduler.add(engine.request([1, 2, 3, 4 + i], params, {}))
+    while (step_batch := eng.next_batch()) is not None:  # the prompts: a step each at most
+        eng.step(step_batch)
         if step_batch.kind == "decode":
             return
 
 
-def _decode(engine: OfflineEngine, steps: int, timed: bool) -> float:
-    """Seconds for ``steps`` decode steps, each inside the profiler's step like the server's."""
-    eng, sched = engine.engine, engine.engine.scheduler
+def _decode(engine: OfflineEngine, steps: int) -> float:
+    """Seconds for ``steps`` decode steps, each run as the server's loop runs it
+    (``Engine.step_next``: timed by the engine's profiler when that is on)."""
     sync = torch.cuda.synchronize if engine.built.runner.device.type == "cuda" else (lambda: None)
     sync()
     begin = time.perf_counter()
     for _ in range(steps):
-        start = time.perf_counter()
-        batch = sched.next_batch()
-        if batch is None:
+        if not engine.engine.step_next():
             raise RuntimeError("the requests finished before the profiled steps did")
-        if timed:
-            with eng.profiler.step(start):
-                eng.profiler.record("schedule", time.perf_counter() - start)
-                eng.step(batch)
-        else:
-            eng.step(batch)
     sync()
     return time.perf_counter() - begin
 
@@ -122,22 +113,22 @@ def profile_decode(engine: OfflineEngine, batch: int, steps: int, top: int = 15)
 
     eng = engine.engine
     _start(engine, batch, WARM_STEPS + 3 * steps)
-    _decode(engine, WARM_STEPS, timed=False)
-    wall = _decode(engine, steps, timed=False)
+    _decode(engine, WARM_STEPS)
+    wall = _decode(engine, steps)
     was_enabled = eng.profiler.enabled
     eng.profiler.enabled = True
     eng.profiler.reset()
     try:
-        _decode(engine, steps, timed=True)
+        _decode(engine, steps)
         snap = eng.profiler.snapshot()
     finally:
         eng.profiler.enabled = was_enabled
     cuda = engine.built.runner.device.type == "cuda"
     activities = [tp.ProfilerActivity.CPU] + ([tp.ProfilerActivity.CUDA] if cuda else [])
     with tp.profile(activities=activities) as prof:
-        profiled = _decode(engine, steps, timed=False)
-    while eng.scheduler.has_work():  # the last tokens: leave the engine idle
-        eng.step(eng.scheduler.next_batch())
+        profiled = _decode(engine, steps)
+    while eng.step_next():  # the last tokens: leave the engine idle
+        pass
     return StepProfile(
         batch=batch, steps=steps, device=str(engine.built.runner.device),
         wall_ms=1e3 * wall / steps,

@@ -46,7 +46,7 @@ def test_too_few_tokens_is_a_clear_error(engine) -> None:  # type: ignore[no-unt
 
     _start(engine, 1, 2)  # tokens for two more decode steps
     with pytest.raises(RuntimeError, match="finished before"):
-        _decode(engine, 10, timed=False)
+        _decode(engine, 10)
     assert not engine.engine.scheduler.has_work()
 
 

@@ -120,14 +120,7 @@ class Engine:
         try:
             while not self.stopping.is_set():
                 self._drain(block=not self.scheduler.has_work())
-                start = time.perf_counter()
-                batch = self.next_batch()
-                if batch is not None:
-                    with self.profiler.step(start):
-                        self.profiler.record("schedule", time.perf_counter() - start)
-                        self.step(batch)
-                    self._trace_tick()
-                else:
+                if not self.step_next():
                     self.flush()
         except BaseException as exc:  # surfaced to /health and the process exit code
             log.exception("engine loop failed")
@@ -224,6 +217,19 @@ class Engine:
             cmd.done(result)
 
     # ---- steps ----
+
+    def step_next(self) -> bool:
+        """Schedule and run the next step, timed as one by the profiler (scheduling included)
+        when it is on; False when there was nothing to run."""
+        start = time.perf_counter()
+        batch = self.next_batch()
+        if batch is None:
+            return False
+        with self.profiler.step(start):
+            self.profiler.record("schedule", time.perf_counter() - start)
+            self.step(batch)
+        self._trace_tick()
+        return True
 
     def next_batch(self) -> ScheduledBatch | None:
         """Mixed batches (decode tokens with prompt chunks riding along), speculation on or
