@@ -77,3 +77,25 @@ def test_mtp_layer_is_not_loaded(ckpt: Path) -> None:
     assert not any(n.startswith("model.layers.3.") for n in names)
     assert all(model.ignored_checkpoint_tensor(n) for n in present)
     assert not model.ignored_checkpoint_tensor("model.layers.2.mlp.gate.weight")
+
+
+def test_build_model_chooses_the_requested_attention_once(ckpt: Path,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """``auto`` probes FlashInfer's MLA kernel on a GPU (a JIT compile and a self-check): the
+    model starts on ``mla`` and ``build_model`` chooses what was asked for, once."""
+    import tpserve.models.deepseek_v3 as ds
+
+    asked: list[str] = []
+    real = ds.choose_mla_backend
+
+    def counting(requested: str, *args: object) -> object:
+        asked.append(requested)
+        return real(requested, *args)
+
+    monkeypatch.setattr(ds, "choose_mla_backend", counting)
+    build_model(ckpt, TPContext.single(), torch.float32, torch.device("cpu"), 64)
+    assert asked == ["mla", "auto"]
+    asked.clear()
+    build_model(ckpt, TPContext.single(), torch.float32, torch.device("cpu"), 64,
+                attention="torch")
+    assert asked == ["mla", "torch"]

@@ -126,8 +126,7 @@ def build_engine(args: ServerArgs, on_stage: StageHook = _no_hook) -> BuiltEngin
     # Any backend runs under CUDA graphs; the model resolves auto for its spec (graphs.py).
     attention = args.attention_backend
     with stage(f"loading weights ({dtype})", on_stage):
-        model = build_model(model_dir, tp, dtype, info.device, max_position, cfg)
-        model.set_attention_backend(attention)
+        model = build_model(model_dir, tp, dtype, info.device, max_position, cfg, attention)
     draft = None
     if spec_cfg is not None:
         with stage("loading the draft model", on_stage):

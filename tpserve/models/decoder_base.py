@@ -36,6 +36,8 @@ class DecoderLM(nn.Module):
     EXPERT_NAMES: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")
     # (our name part, checkpoint name part) where a checkpoint names a module differently
     CHECKPOINT_RENAMES: tuple[tuple[str, str], ...] = ()
+    # The attention a model starts with; ``build_model`` then applies the requested one.
+    START_ATTENTION = "auto"
 
     def __init__(self, cfg: ModelConfig, tp: TPContext, dtype: torch.dtype,
                  device: torch.device, layers: list[nn.Module], rotary: RotaryEmbedding) -> None:
@@ -47,7 +49,7 @@ class DecoderLM(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
         self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, tp, dtype, device)
         self.rotary = rotary
-        self.set_attention_backend("auto")
+        self.set_attention_backend(self.START_ATTENTION)
 
     def set_attention_backend(self, name: str) -> None:
         """``--attention-backend``: the family's attention, prepared once per step."""

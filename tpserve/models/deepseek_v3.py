@@ -51,6 +51,10 @@ class DeepseekDecoderLayer(nn.Module):
 
 
 class DeepseekV3ForCausalLM(DecoderLM):
+    # "auto" would JIT-compile and self-check FlashInfer's MLA kernel on a GPU, and
+    # ``build_model`` chooses again right after loading: start with the backend that needs no probe.
+    START_ATTENTION = "mla"
+
     def __init__(self, cfg: ModelConfig, tp: TPContext, dtype: torch.dtype,
                  device: torch.device, max_position: int,
                  weights: WeightFormat | None = None) -> None:

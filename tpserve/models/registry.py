@@ -71,7 +71,10 @@ def _check_fp8_covered(model: Any, names: dict[str, Any], fmt: Any) -> None:
 
 
 def build_model(model_dir: str | Path, tp: TPContext, dtype: torch.dtype, device: torch.device,
-                max_position: int, cfg: ModelConfig | None = None) -> Any:
+                max_position: int, cfg: ModelConfig | None = None,
+                attention: str = "auto") -> Any:
+    """The model of ``model_dir`` with its weights loaded and ``attention``
+    (``--attention-backend``) applied."""
     cfg = cfg or load_config(model_dir)
     start = time.perf_counter()
     cls = MODELS[cfg.architecture]
@@ -85,6 +88,7 @@ def build_model(model_dir: str | Path, tp: TPContext, dtype: torch.dtype, device
     load_weights(model, model_dir, names, aliases=aliases)
     if hasattr(model, "finish_loading"):
         model.finish_loading()
+    model.set_attention_backend(attention)
     if cfg.quant is not None and device.type == "cuda":
         native_blockwise_gemm(device)  # probe now: never first inside a CUDA-graph capture
     log.info("loaded %s shard %d/%d in %.2fs: %.1f MB of weights resident", Path(model_dir).name,
