@@ -22,7 +22,7 @@ from comm_backends.topology import Placement, Topology, measure
 
 __all__ = ["AllReduce", "BackendUnavailable", "CommStats", "BACKENDS", "Choice", "Topology",
            "create", "available", "choose", "refusal", "refusals", "resolve_auto",
-           "unavailable_reason", "measure_here"]
+           "unavailable_reason", "measure_here", "agree_on"]
 
 # name -> "module:Class"; a read-only mapping, extended by editing this table.
 BACKENDS: Mapping[str, str] = MappingProxyType(
@@ -64,6 +64,25 @@ def refusals(topo: Topology, names: Iterable[str] = BACKENDS, environment: bool 
              ) -> dict[str, str]:
     found = {name: refusal(name, topo, environment) for name in names}
     return {name: reason for name, reason in found.items() if reason is not None}
+
+
+def agree_on(topo: Topology, names: Iterable[str] = BACKENDS,
+             group: dist.ProcessGroup | None = None) -> tuple[Topology, dict[str, str]]:
+    """Rank 0's topology and every backend of ``names`` refused on *any* rank of ``group``: the
+    same on every rank. A backend's set-up is collective, so a rank that refuses one alone
+    would leave the others waiting in it; with this they all skip it together."""
+    refused = refusals(topo, names)
+    if not dist.is_initialized() or dist.get_world_size(group) == 1:
+        return topo, refused
+    views: list[object] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(views, (topo, refused), group=group)
+    me = dist.get_rank(group)
+    union: dict[str, str] = {}
+    for rank, view in enumerate(views):
+        _, theirs = view  # type: ignore[misc]
+        for name, reason in theirs.items():
+            union.setdefault(name, reason if rank == me else f"rank {rank}: {reason}")
+    return views[0][0], union  # type: ignore[index]
 
 
 def choose(topo: Topology, refused: Mapping[str, str] | None = None) -> Choice:

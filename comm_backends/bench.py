@@ -32,6 +32,7 @@ import torch.distributed as dist
 import comm_backends
 from comm_backends.base import AllReduce, BackendUnavailable
 from comm_backends.bench_report import render_table, write_json, write_plot
+from comm_backends.topology import Topology
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 CUDA_BACKENDS = ("nccl", "cuda_p2p", "symm_mem")
@@ -199,10 +200,21 @@ def _device_for(name: str, names: list[str]) -> torch.device:
 
 
 def build_backends(names: list[str], dtype: torch.dtype, report: Report) -> list[AllReduce]:
+    """The backends every rank can build. Ranks agree on the refusals first (and a set-up
+    failure is raised on every rank by the backend itself), so no rank times a backend that
+    another skipped."""
+    views: dict[torch.device, tuple[Topology, dict[str, str]]] = {}
     built = []
     for name in names:
+        device = _device_for(name, names)
+        if device not in views:
+            views[device] = comm_backends.agree_on(comm_backends.measure_here(device, None, dtype))
+        topo, refused = views[device]
         try:
-            backend = comm_backends.create(name, None, _device_for(name, names))
+            chosen = comm_backends.choose(topo, refused).name if name == "auto" else name
+            if chosen in refused:
+                raise BackendUnavailable(refused[chosen])
+            backend = comm_backends.create(chosen, None, device, topo)
         except BackendUnavailable as exc:
             report.skipped[name] = str(exc)
             continue

@@ -173,17 +173,7 @@ def parse_backend_list(flag: str) -> list[str]:
 
 def agreed_view(info: RankInfo, dtype: torch.dtype | None) -> tuple[Topology, dict[str, str]]:
     """Rank 0's topology and every backend refused on *any* rank: the same on every rank."""
-    topo = comm_backends.measure(info.device, info.placement, dtype)
-    refused = comm_backends.refusals(topo)
-    if info.world_size == 1 or not dist.is_initialized():
-        return topo, refused
-    views: list[Any] = [None] * info.world_size
-    dist.all_gather_object(views, (topo, refused))
-    union: dict[str, str] = {}
-    for rank, (_, theirs) in enumerate(views):
-        for name, reason in theirs.items():
-            union.setdefault(name, reason if rank == info.rank else f"rank {rank}: {reason}")
-    return views[0][0], union
+    return comm_backends.agree_on(comm_backends.measure(info.device, info.placement, dtype))
 
 
 def create_comm(flag: str, info: RankInfo, dtype: torch.dtype | None = None) -> CommSwitch:
