@@ -27,6 +27,16 @@ class BackendUnavailable(RuntimeError):
     """
 
 
+def job_min(value: int, group: dist.ProcessGroup | None = None) -> int:
+    """The smallest ``value`` over the ranks of ``group`` (a CPU-side MIN), for start-up
+    decisions every rank must take alike; ``value`` itself outside a job or alone in it."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
+        return value
+    t = torch.tensor([value], dtype=torch.int64)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN, group=group)
+    return int(t.item())
+
+
 def one_line(text: object) -> str:
     """A multi-line error message (torch's, NCCL's) squeezed onto one line."""
     return " ".join(str(text).split())

@@ -16,9 +16,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
 from comm_backends import BackendUnavailable
+from comm_backends.base import job_min
 from tpserve.args import ServerArgs
 from tpserve.control import make_channel
 from tpserve.demo import demo_target, with_demo_defaults
@@ -207,15 +207,6 @@ def kv_budget_bytes(args: ServerArgs, info: RankInfo) -> int:
     return int(args.kv_cache_gb * (1 << 30))
 
 
-def agree_min(value: int, info: RankInfo) -> int:
-    """Every rank must size the cache identically: take the minimum (a start-up decision)."""
-    if info.world_size == 1:
-        return value
-    t = torch.tensor([value], dtype=torch.int64)
-    dist.all_reduce(t, op=dist.ReduceOp.MIN)
-    return int(t.item())
-
-
 def make_kv(args: ServerArgs, model: torch.nn.Module, draft: LoadedDraft | None, info: RankInfo,
             dtype: torch.dtype, context_length: int) -> KVCache:
     """Pages for the target's layout, sized together with the draft's (same page ids)."""
@@ -229,7 +220,7 @@ def make_kv(args: ServerArgs, model: torch.nn.Module, draft: LoadedDraft | None,
     pages = max(2, budget // (per_token * args.page_size))
     if args.max_total_tokens:
         pages = min(pages, -(-args.max_total_tokens // args.page_size) + 1)
-    pages = agree_min(pages, info)
+    pages = job_min(pages)  # every rank sizes the cache alike
     kv_cfg = KVCacheConfig(pages, args.page_size, layout, dtype)
     if kv_cfg.max_tokens < min(context_length, 2 * args.page_size):
         raise ConfigError(f"the KV budget gives only {pages - 1} pages; raise --kv-cache-gb or "

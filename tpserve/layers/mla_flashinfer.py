@@ -33,8 +33,8 @@ from typing import Any
 
 import numpy as np
 import torch
-import torch.distributed as dist
 
+from comm_backends.base import job_min
 from tpserve.layers.attention.flashinfer_backend import WORKSPACE_BYTES, paged_layout
 from tpserve.layers.attention.flashinfer_graphs import DecodeGraphWrappers
 from tpserve.layers.attention.metadata import AttentionMetadata, build_metadata
@@ -278,11 +278,7 @@ def _refused_elsewhere(usable_here: bool) -> str | None:
     """Every rank must pick the same MLA backend: their decode graphs (one key span, or the
     ladder) and so the collectives they capture follow it. None when every rank can use the
     kernel (a CPU-side MIN over the job; only on CUDA, where every rank of a job asks)."""
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return None
-    flag = torch.tensor([int(usable_here)], dtype=torch.int32)
-    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
-    return None if int(flag.item()) else "another rank cannot run it"
+    return None if job_min(int(usable_here)) else "another rank cannot run it"
 
 
 def choose_mla_backend(requested: str, latent_dim: int, kv_lora_rank: int, rope_dim: int,
