@@ -86,6 +86,17 @@ def _peer_access_problem(devices: list[int]) -> str | None:
     return None
 
 
+def nvrtc_refusal(nvrtc_major: int, capability: tuple[int, int]) -> str | None:
+    """CUDA 13's NVRTC no longer compiles for Volta / Xavier (compute capability 7.0 / 7.2),
+    so with cupy-cuda13x on such a GPU the kernels cannot be built: refuse up front, so
+    ``auto`` takes another backend instead of failing at set-up."""
+    if nvrtc_major >= 13 and capability < (7, 5):
+        return (f"allreduce backend 'cuda_p2p': NVRTC {nvrtc_major} cannot compile for compute "
+                f"capability {capability[0]}.{capability[1]} (CUDA 13 dropped Volta); "
+                "pip install cupy-cuda12x instead of cupy-cuda13x")
+    return None
+
+
 class CudaP2PAllReduce(AllReduce):
     """One-shot (small) / two-shot (large) allreduce kernel over NVLink/PCIe P2P."""
 
@@ -99,10 +110,14 @@ class CudaP2PAllReduce(AllReduce):
         if device.type != "cuda" or not torch.cuda.is_available():
             return "allreduce backend 'cuda_p2p' needs CUDA"
         try:
-            import cupy  # noqa: F401
+            import cupy
         except ImportError:
             return "allreduce backend 'cuda_p2p' needs cupy: pip install tpserve[gpu]"
-        return None
+        try:
+            nvrtc = int(cupy.cuda.nvrtc.getVersion()[0])
+        except Exception:  # no NVRTC library: the compile at set-up says what is missing
+            return None
+        return nvrtc_refusal(nvrtc, torch.cuda.get_device_capability(device))
 
     @classmethod
     def topology_refusal(cls, topo: Topology) -> str | None:

@@ -139,6 +139,30 @@ def test_cuda_p2p_names_the_missing_cupy() -> None:
         pytest.fail(f"cuda_p2p is required (REQUIRE) but refused: {reason}")
 
 
+@pytest.mark.parametrize(("nvrtc", "capability", "refuses"), [
+    (13, (7, 0), True), (13, (7, 2), True), (13, (7, 5), False), (12, (7, 0), False),
+    (13, (9, 0), False)])
+def test_cuda_p2p_refuses_volta_with_cuda_13s_nvrtc(nvrtc: int, capability: tuple[int, int],
+                                                    refuses: bool,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """CUDA 13's NVRTC cannot compile for compute capability 7.0 / 7.2: a refusal up front
+    (``auto`` then takes another backend), not a failed compile at set-up."""
+    from types import SimpleNamespace
+
+    from comm_backends.cuda_p2p import CudaP2PAllReduce
+
+    fake = SimpleNamespace(cuda=SimpleNamespace(nvrtc=SimpleNamespace(getVersion=lambda: (nvrtc, 0))))
+    monkeypatch.setitem(sys.modules, "cupy", fake)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    reason = CudaP2PAllReduce.environment_refusal(torch.device("cuda", 0))
+    if refuses:
+        assert reason is not None and "cupy-cuda12x" in reason
+        assert f"{capability[0]}.{capability[1]}" in reason
+    else:
+        assert reason is None
+
+
 # ---------------------------------------------------------------------------- one GPU
 def _reduce_world_of_one(backend: AllReduce, x: torch.Tensor) -> torch.Tensor:
     # AllReduce.all_reduce short-cuts a world of one; call the kernel path itself.
