@@ -108,13 +108,51 @@ def test_prefill_and_mixed_steps_run_the_kernel_causally_in_both_forms() -> None
     torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4)
 
 
-def test_speculative_steps_use_the_mla_backend() -> None:
+def _verify_step(seed: int, kv_lens: list[int], queries: int, chain: bool
+                 ) -> AttentionMetadata:
+    """A verify batch of ``queries`` nodes per request: a chain's lower-triangular mask, or a
+    tree's (node 2 a second child of the root)."""
+    base = _layout(seed, kv_lens)
+    q = np.full(len(kv_lens), queries, dtype=np.int32)
+    mask = torch.tril(torch.ones(queries, queries, dtype=torch.bool))
+    if not chain:
+        mask[2, 1] = False
+    return build_metadata(base.host.page_table, q, base.host.kv_lens, PAGE, CPU,
+                          mask_start=base.host.kv_lens - q,
+                          custom_mask=mask.expand(len(kv_lens), -1, -1), mask_is_causal=chain)
+
+
+def test_a_chain_verify_runs_the_kernel_causally_and_a_tree_keeps_the_mla_backend() -> None:
+    """``--speculative-eagle-topk 1`` (the default) verifies a chain, whose mask is causal: the
+    kernel's causal output equals the mla backend's under that mask. A tree's mask is not."""
+    backend = _backend()
+    got, ref, mine, theirs = _both(backend, _verify_step(2, [9, 23, 5], 4, chain=True), 6)
+    assert got.shape == (12, HEADS, C)
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+    assert torch.equal(mine, theirs)
+    assert backend._eager.args["causal"] is True
+    assert isinstance(backend.bind(_verify_step(2, [9, 23, 5], 4, chain=False)), BoundMLA)
+
+
+def test_only_a_mask_over_the_query_block_may_be_called_causal() -> None:
     base = _layout(1, [6, 9], q_lens=[2, 2])
-    mask = torch.ones(2, 2, 2, dtype=torch.bool)
-    tree = build_metadata(base.host.page_table, np.array([2, 2], dtype=np.int32),
-                          base.host.kv_lens, PAGE, CPU, mask_start=base.host.kv_lens - 2,
-                          custom_mask=mask)
-    assert isinstance(_backend().bind(tree), BoundMLA)
+    q = np.array([2, 2], dtype=np.int32)
+    with pytest.raises(ValueError, match="mask_is_causal"):
+        build_metadata(base.host.page_table, q, base.host.kv_lens, PAGE, CPU,
+                       mask_start=base.host.kv_lens - 3,
+                       custom_mask=torch.ones(2, 2, 3, dtype=torch.bool), mask_is_causal=True)
+    with pytest.raises(ValueError, match="mask_is_causal"):
+        build_metadata(base.host.page_table, q, base.host.kv_lens, PAGE, CPU, mask_is_causal=True)
+
+
+def test_the_verify_layout_is_a_chain_only_for_topk_1() -> None:
+    from tpserve.spec.tree import tree_metadata
+
+    table = np.arange(1, 7, dtype=np.int32).reshape(2, 3)
+    cached = np.array([3, 5])
+    for chain in (True, False):
+        meta = tree_metadata(table, cached, 4, cached, 4, PAGE, CPU, chain=chain)
+        assert meta.mask_is_causal is chain
 
 
 def test_the_eager_plan_follows_each_step() -> None:
@@ -208,6 +246,26 @@ def test_gpu_kernel_matches_the_mla_backend_and_auto_chooses_it() -> None:
         got = chosen.bind(meta).absorbed(q_latent, q_pe, latent, cache.clone(), SCALE)
         ref = chosen.fallback.bind(meta).absorbed(q_latent, q_pe, latent, cache.clone(), SCALE)
         assert (got.float() - ref.float()).abs().max() <= 0.02 * ref.float().abs().max()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _real_flashinfer(), reason="needs CUDA and flashinfer-python")
+def test_gpu_chain_verify_matches_the_mla_backend_under_its_mask() -> None:
+    """The real kernel, causal over a chain's verify rows (5 per request), against the mla
+    backend reading the chain's mask."""
+    cuda = torch.device("cuda")
+    chosen = choose_mla_backend("auto", 576, 512, 64, 16, SCALE, torch.bfloat16, cuda)
+    assert isinstance(chosen, FlashInferMLA)
+    step = _verify_step(3, [37, 9, 90], 5, chain=True)  # 36 of the 39 pages
+    meta = build_metadata(step.host.page_table, np.diff(step.host.q_indptr), step.host.kv_lens,
+                          PAGE, cuda, mask_start=step.host.mask_start,
+                          custom_mask=step.custom_mask, mask_is_causal=True)
+    cache, q_latent, q_pe, latent = _inputs(3, meta.num_rows, torch.bfloat16, 512, 64, 16, cuda)
+    bound = chosen.bind(meta)
+    assert isinstance(bound, FlashInferBoundMLA)
+    got = bound.absorbed(q_latent, q_pe, latent, cache.clone(), SCALE)
+    ref = chosen.fallback.bind(meta).absorbed(q_latent, q_pe, latent, cache.clone(), SCALE)
+    assert (got.float() - ref.float()).abs().max() <= 0.02 * ref.float().abs().max()
 
 
 @pytest.mark.gpu

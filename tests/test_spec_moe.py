@@ -51,3 +51,43 @@ def test_speculative_greedy_equals_plain_on_mla_moe(ckpts: tuple[Path, Path, Pat
     assert accept > 1.1, accept  # drafts were accepted: verify + KV compaction really ran
     tree, _ = generate(target, sub, (3, 2, 6))
     assert tree == plain
+
+
+def test_chain_verify_through_flashinfers_mla_kernel_equals_plain(
+        ckpts: tuple[Path, Path, Path], monkeypatch: pytest.MonkeyPatch) -> None:
+    """The same, with the target's MLA on FlashInfer's kernel (the CPU stand-in of
+    ``tests/fake_flashinfer``, as ``auto`` picks it on a GPU): a chain's verify (topk 1) runs
+    the kernel causally, a tree's keeps the ``mla`` backend, and greedy output is unchanged."""
+    import tpserve.models.deepseek_v3 as ds
+    from tests import fake_flashinfer
+    from tpserve.layers.mla_flashinfer import FlashInferBoundMLA, FlashInferMLA
+
+    torch.set_num_threads(1)
+    verifies: dict[str, int] = {"kernel": 0, "mla": 0}
+
+    class Recording(FlashInferMLA):
+        def bind(self, meta):  # type: ignore[no-untyped-def]
+            bound = super().bind(meta)
+            if meta.custom_mask is not None:
+                verifies["kernel" if isinstance(bound, FlashInferBoundMLA) else "mla"] += 1
+            return bound
+
+    real = ds.choose_mla_backend
+
+    def on_the_kernel(requested: str, latent: int, rank: int, rope: int, heads: int,
+                      scale: float, dtype: torch.dtype, device: torch.device) -> object:
+        if requested != "auto":
+            return real(requested, latent, rank, rope, heads, scale, dtype, device)
+        return Recording(latent, rank, heads, scale, dtype, device,
+                         flashinfer=fake_flashinfer.module())
+
+    monkeypatch.setattr(ds, "choose_mla_backend", on_the_kernel)
+    target, mimic, sub = ckpts
+    plain, _ = generate(target, None, (3, 1, 4))
+    chain, accept = generate(target, mimic, (3, 1, 4))
+    assert chain == plain and accept > 1.1, accept
+    assert verifies["kernel"] > 0 and verifies["mla"] == 0, verifies
+    verifies.update(kernel=0, mla=0)
+    tree, _ = generate(target, sub, (3, 2, 6))
+    assert tree == plain
+    assert verifies["mla"] > 0 and verifies["kernel"] == 0, verifies

@@ -7,10 +7,11 @@ the pages in place: a decode step costs the pages its requests use.
 
 - Our cache [slots, 1, C + R] viewed as [pages, page_size, C + R] holds the kernel's two
   caches as strided views: ``ckv`` = the first C values of each slot, ``kpe`` = the last R.
-- A step without a speculative mask (decode, prefill chunks, mixed steps: causal) is
+- A step without a speculative mask (decode, prefill chunks, mixed steps: causal), and an
+  eager chain verify (``--speculative-eagle-topk 1``, the default: its mask is causal), is
   planned on the host from the page table (O(pages used)) and runs the absorbed form, also
   where the model asks for ``expanded`` (the kv_b_proj halves are applied around the kernel);
-  speculative steps (tree masks) go through the ``mla`` backend, as before.
+  tree verifies (topk > 1) and verify graphs go through the ``mla`` backend.
 - CUDA graphs: a decode graph gets a graph-mode wrapper of its batch size over fixed buffers
   (``flashinfer_graphs.DecodeGraphWrappers``), planned at capture and before each replay
   (``graph_capture`` / ``graph_replan``), so a replayed step reads only its own pages and the
@@ -74,8 +75,9 @@ def _plain_decode(meta: AttentionMetadata) -> bool:
 
 def _causal(meta: AttentionMetadata) -> bool:
     """A step the kernel serves: anything without a speculative mask (decode, prefill chunks
-    and mixed steps: each request's query rows are the last of its keys, causally)."""
-    return meta.custom_mask is None
+    and mixed steps: each request's query rows are the last of its keys, causally), and a
+    chain's verify, whose mask is that same causal one (``mask_is_causal``)."""
+    return meta.custom_mask is None or meta.mask_is_causal
 
 
 @dataclass(frozen=True)

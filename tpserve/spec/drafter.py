@@ -335,7 +335,7 @@ class Drafter:
         cached = committed_lens(step)
         n = self.cfg.num_draft_tokens
         return tree_metadata(step.page_table, cached, n, cached, n, self.runner.page_size,
-                             self.runner.device)
+                             self.runner.device, chain=self.cfg.topk == 1)
 
     @torch.inference_mode()
     def run_ahead(self, step: SpecStep, verified: Verified) -> None:

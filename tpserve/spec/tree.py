@@ -75,9 +75,12 @@ def _finish_tree(tokens: torch.Tensor, parents: torch.Tensor, max_depth: int) ->
 
 
 def tree_metadata(pages: np.ndarray, cached: np.ndarray, queries: int, mask_start: np.ndarray,
-                  mask_width: int, page_size: int, device: torch.device) -> AttentionMetadata:
+                  mask_width: int, page_size: int, device: torch.device,
+                  chain: bool = False) -> AttentionMetadata:
     """Metadata of a batch of ``queries`` speculative rows per request written after
     ``cached`` [B] entries, whose mask [B, queries, mask_width] comes later (``with_inputs``).
+    ``chain``: the verify of a topk-1 tree, whose mask is causal by construction (every
+    candidate is chosen, each the child of the one before: ``select_tree``).
 
     Everything here is host data known before drafting starts, so building it up front keeps
     host-to-device copies (which can wait for the device) out of the draft loop.
@@ -86,7 +89,7 @@ def tree_metadata(pages: np.ndarray, cached: np.ndarray, queries: int, mask_star
     placeholder = torch.empty(batch, queries, mask_width, dtype=torch.bool, device=device)
     q_lens = np.full(batch, queries, dtype=np.int32)
     return build_metadata(pages, q_lens, cached + queries, page_size, device,
-                          mask_start=mask_start, custom_mask=placeholder)
+                          mask_start=mask_start, custom_mask=placeholder, mask_is_causal=chain)
 
 
 def with_inputs(meta: AttentionMetadata, tokens: torch.Tensor, positions: torch.Tensor,

@@ -8,6 +8,9 @@ Without a custom mask attention is causal by logical index. With one (speculativ
 below ``mask_start[b]`` are visible to every query of b, keys in
 ``[mask_start, mask_start + M)`` per ``custom_mask[b, j, key - mask_start]``, later keys to
 none. A sliding window (the backend's spec) hides keys at or below ``query - window``.
+``mask_is_causal`` says a mask is causal by construction (a chain's verify: its block is the
+query block itself, and node j's ancestors are nodes 0 .. j - 1), so a backend whose kernel
+only runs causally (FlashInfer's MLA) may read it as no mask; others keep using the mask.
 
 Everything here is O(batch + query rows) on top of the page table itself: nothing grows with
 context length.
@@ -46,6 +49,7 @@ class AttentionMetadata:
     mask_start: torch.Tensor | None = None  # [B] int32
     custom_mask: torch.Tensor | None = None  # [B, max_q_len or more, M] bool
     uniform_q_len: int = 0  # Q when every request has Q > 0 rows (a plain int: no tracing)
+    mask_is_causal: bool = False  # custom_mask is the query block's causal mask (a chain)
 
     @property
     def batch_size(self) -> int:
@@ -134,13 +138,18 @@ def _check(page_table: np.ndarray, q_lens: np.ndarray, kv_lens: np.ndarray, page
 
 def build_metadata(page_table: ArrayLike, q_lens: ArrayLike, kv_lens: ArrayLike, page_size: int,
                    device: torch.device, mask_start: ArrayLike | None = None,
-                   custom_mask: torch.Tensor | None = None) -> AttentionMetadata:
+                   custom_mask: torch.Tensor | None = None,
+                   mask_is_causal: bool = False) -> AttentionMetadata:
     """Once per step, from host data: ``page_table`` [B, P] page ids, ``q_lens`` [B] new tokens
     per request, ``kv_lens`` [B] keys after the write; for speculative steps ``mask_start`` [B]
-    and ``custom_mask`` [B, Qmax, M] bool (see the module docstring)."""
+    and ``custom_mask`` [B, Qmax, M] bool, and ``mask_is_causal`` where that mask is the
+    query block's causal one (see the module docstring)."""
     pages, q, kv = _int32(page_table), _int32(q_lens), _int32(kv_lens)
     start = None if mask_start is None else _int32(mask_start)
     ext = _check(pages, q, kv, page_size, start, custom_mask)
+    if mask_is_causal and (start is None or not np.array_equal(start, kv - q)):
+        raise ValueError("mask_is_causal needs a mask whose block is the query block "
+                         "(mask_start = kv_len - q_len)")
     if ext.uniform_q:
         indptr = np.arange(0, (len(q) + 1) * ext.uniform_q, ext.uniform_q, dtype=np.int32)
     else:
@@ -164,5 +173,5 @@ def build_metadata(page_table: ArrayLike, q_lens: ArrayLike, kv_lens: ArrayLike,
         page_table=dev(pages), q_indptr=dev(indptr), kv_lens=dev(kv), write_slots=dev(slots),
         page_size=page_size, max_q_len=ext.max_q, max_kv_len=ext.max_kv, host=host,
         mask_start=None if start is None else dev(start), custom_mask=custom_mask,
-        uniform_q_len=ext.uniform_q,
+        uniform_q_len=ext.uniform_q, mask_is_causal=mask_is_causal,
     )
