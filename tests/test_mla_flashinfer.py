@@ -206,6 +206,15 @@ def test_the_agreement_check_passes_a_faithful_kernel_and_refuses_a_wrong_one(
     broken.mla.BatchMLAPagedAttentionWrapper = Wrong
     assert "differs from the mla backend" in str(_disagreement(_backend(fi=broken, **width), CPU))
 
+    class WrongOnVerifies(fake_flashinfer.BatchMLAPagedAttentionWrapper):
+        def run(self, *args: Any, **kw: Any) -> torch.Tensor:
+            out = super().run(*args, **kw)
+            return out * 1.1 if self.layout[0] == [0, 4, 8] else out  # a chain's rows only
+
+    broken.mla.BatchMLAPagedAttentionWrapper = WrongOnVerifies
+    reason = str(_disagreement(_backend(fi=broken, **width), CPU))
+    assert "differs from the mla backend" in reason and "[4, 4]" in reason
+
 
 def test_cpu_keeps_the_mla_backend() -> None:
     chosen = choose_mla_backend("auto", 576, 512, 64, 2, SCALE, torch.bfloat16, CPU)

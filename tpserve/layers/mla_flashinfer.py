@@ -242,8 +242,9 @@ def _plan_key(wrapper: Any) -> Any:
 
 @functools.cache
 def mla_flashinfer_agrees(device: torch.device, heads: int, dtype: torch.dtype) -> str | None:
-    """None when FlashInfer's MLA decode matches the ``mla`` backend on a small random batch
-    (two requests over fragmented pages, one longer than a page), else why not."""
+    """None when FlashInfer's MLA kernel matches the ``mla`` backend on small random batches
+    (two requests over fragmented pages, one longer than a page: decode, a mixed step, a
+    chain's verify), else why not."""
     try:
         return _disagreement(FlashInferMLA(KV_LORA_RANK + ROPE_DIM, KV_LORA_RANK, heads,
                                            0.1, dtype, device), device)
@@ -255,17 +256,22 @@ def _disagreement(backend: FlashInferMLA, device: torch.device) -> str | None:
     page, width = 16, KV_LORA_RANK + ROPE_DIM
     g = torch.Generator(device="cpu").manual_seed(0)
     cache = torch.randn(8 * page, 1, width, generator=g).to(device, backend.dtype)
-    kv_lens, pages = [37, 5], [[5, 2, 7], [3, 0, 0]]
-    for q_lens in ([1, 1], [3, 1]):  # a decode step, then a mixed one (a prompt chunk)
-        meta = build_metadata(page_table=np.array(pages, dtype=np.int32),
-                              q_lens=np.array(q_lens, dtype=np.int32),
-                              kv_lens=np.array(kv_lens, dtype=np.int32), page_size=page,
-                              device=device)
+    kv_lens, pages = np.array([37, 5], dtype=np.int32), np.array([[5, 2, 7], [3, 0, 0]], np.int32)
+    # a decode step, a mixed one (a prompt chunk), and a chain's verify (its causal mask)
+    for q_lens, chain in (([1, 1], False), ([3, 1], False), ([4, 4], True)):
+        q = np.array(q_lens, dtype=np.int32)
+        mask = (torch.ones(2, 4, 4, dtype=torch.bool, device=device).tril() if chain else None)
+        meta = build_metadata(pages, q, kv_lens, page, device,
+                              mask_start=kv_lens - q if chain else None, custom_mask=mask,
+                              mask_is_causal=chain)
         rows, heads = meta.num_rows, backend.heads
         q_latent = torch.randn(rows, heads, KV_LORA_RANK, generator=g).to(device, backend.dtype)
         q_pe = torch.randn(rows, heads, ROPE_DIM, generator=g).to(device, backend.dtype)
         latent = torch.randn(rows, width, generator=g).to(device, backend.dtype)
-        got = backend.bind(meta).absorbed(q_latent, q_pe, latent, cache.clone(), backend.scale)
+        bound = backend.bind(meta)
+        if not isinstance(bound, FlashInferBoundMLA):
+            return f"query lengths {q_lens} were not given to the kernel"
+        got = bound.absorbed(q_latent, q_pe, latent, cache.clone(), backend.scale)
         ref = backend.fallback.bind(meta).absorbed(q_latent, q_pe, latent, cache.clone(),
                                                   backend.scale)
         err = float((got.float() - ref.float()).abs().max())
