@@ -11,7 +11,7 @@ import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import ClassVar
+from typing import Any, ClassVar, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -243,6 +243,39 @@ class AllReduce(ABC):
     def close(self) -> None:
         """Release backend resources (shared memory, IPC handles). Idempotent."""
         return None
+
+    # ---- collective set-up: a step that fails on one rank fails on every rank
+    def _gather_objects(self, mine: Any) -> list[Any]:
+        """Every rank's ``mine`` over this backend's group, in rank order."""
+        if self.world_size == 1:
+            return [mine]
+        entries: list[Any] = [None] * self.world_size
+        dist.all_gather_object(entries, mine, group=self.group)
+        return entries
+
+    def _agree(self, what: str, step: Callable[[], str | None],
+               errors: tuple[type[Exception], ...] = (Exception,)) -> None:
+        """Run one set-up step on every rank (it returns a problem, or raises one of
+        ``errors``); if it failed on any rank, every rank closes and raises
+        BackendUnavailable ("allreduce backend 'NAME' failed WHAT: rank R: ..."), so none is
+        left waiting in the next collective for a rank that has already raised."""
+        try:
+            problem = step()
+        except errors as exc:
+            problem = one_line(exc)
+        failed = [f"rank {r}: {p}" for r, p in enumerate(self._gather_objects(problem))
+                  if p is not None]
+        if failed:
+            self._fail(f"allreduce backend '{self.name}' failed {what}: " + "; ".join(failed))
+
+    def _fail(self, message: str) -> NoReturn:
+        """Set-up failed on every rank alike: release what this rank holds (collectively) and
+        raise the one-line refusal, which a second error while closing must not replace."""
+        try:
+            self.close()
+        except Exception:  # e.g. a sticky CUDA error: the refusal below says more
+            pass
+        raise BackendUnavailable(message)
 
 
 def gather_rows(tensor: torch.Tensor, world: int, group: dist.ProcessGroup | None) -> torch.Tensor:

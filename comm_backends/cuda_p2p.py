@@ -18,15 +18,14 @@ P2P that is advertised but does not deliver (IOMMU/ACS) is refused at start-up.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import Any, ClassVar, NoReturn
+from typing import Any, ClassVar
 
 import numpy
 import torch
 import torch.distributed as dist
 
-from comm_backends.base import AllReduce, BackendUnavailable, one_line
+from comm_backends.base import AllReduce, one_line
 from comm_backends.cuda_p2p_flag import raise_if_failed
 from comm_backends.cuda_p2p_kernels import (
     KERNELS,
@@ -158,7 +157,7 @@ class CudaP2PAllReduce(AllReduce):
         self._timeout_ns = int(self.config.self_test_timeout_s * 1e9)
         with torch.cuda.device(self._dev):
             self._setup()
-            self._self_test()
+            self._agree("its set-up self-test", self._self_test)
         self._timeout_ns = int(self.config.timeout_s * 1e9)
 
     # ----------------------------------------------------------------- setup
@@ -180,7 +179,7 @@ class CudaP2PAllReduce(AllReduce):
             handle = rt.ipcGetMemHandle(self._base) if self.world_size > 1 else None
         except Exception as exc:  # CUDARuntimeError (out of memory, no IPC), ...
             problem = f"rank {self.rank}: {one_line(exc)}"
-        found = self._exchange((node_key(), (self._dev, sms, handle, problem)))
+        found = self._gather_objects((node_key(), (self._dev, sms, handle, problem)))
         entries = [entry for _, entry in found]
         nodes = len({key for key, _ in found})
         failed = [p for _, _, _, p in entries if p is not None]
@@ -196,7 +195,8 @@ class CudaP2PAllReduce(AllReduce):
         # Same grid on every rank (blocks meet their namesakes), and all of it resident at once
         # so no block waits on a peer block that cannot be scheduled.
         self._max_blocks = max(1, min(MAX_BLOCKS, *(n for _, n, _, _ in entries)))
-        self._agree("opening the peers' buffers", lambda: self._map(entries))
+        # CUDARuntimeError (IPC), cupy's CompileException, ...: every rank refuses alike.
+        self._agree("to set up (opening the peers' buffers)", lambda: self._map(entries))
         self._barrier()  # every flag area is zeroed before anyone's first kernel writes to it
 
     def _map(self, entries: list[tuple[int, int, bytes | None, str | None]]) -> None:
@@ -223,55 +223,18 @@ class CudaP2PAllReduce(AllReduce):
         self._mine = torch.from_dlpack(raw)
         rt.deviceSynchronize()
 
-    def _agree(self, what: str, step: Callable[[], None]) -> None:
-        """Run one set-up step; if it failed on any rank, every rank closes and raises
-        BackendUnavailable naming the ranks and their errors (none is left waiting)."""
-        problem = None
-        try:
-            step()
-        except Exception as exc:  # CUDARuntimeError, cupy's CompileException, ...
-            problem = f"rank {self.rank}: {one_line(exc)}"
-        failed = [p for p in self._exchange(problem) if p is not None]
-        if failed:
-            self._fail(f"allreduce backend 'cuda_p2p' failed to set up ({what}): " + "; ".join(failed))
-
-    def _fail(self, message: str) -> NoReturn:
-        """Set-up failed on every rank alike: release what this rank holds (collectively) and
-        raise the one-line refusal, which a second error while closing must not replace."""
-        try:
-            self.close()
-        except Exception:  # e.g. a sticky CUDA error: the refusal below says more
-            pass
-        raise BackendUnavailable(message)
-
-    def _self_test(self) -> None:
-        """One small allreduce under a short limit, checked on every rank: refuses P2P that is
-        advertised but does not deliver, before any request depends on it."""
+    def _self_test(self) -> str | None:
+        """One small allreduce under a short limit (a set-up step every rank runs, ``_agree``):
+        refuses P2P that is advertised but does not deliver, before any request depends on it."""
         expected = float(self.world_size * (self.world_size + 1) // 2)
-        problem = None
-        try:
-            x = torch.full((4096,), float(self.rank + 1), device=self.device)
-            self._all_reduce(x)
-            torch.cuda.synchronize(self._dev)
-            self.check()
-            if not bool((x == expected).all()):
-                problem = f"rank {self.rank} got a wrong sum from the self-test allreduce"
-        except Exception as exc:  # any failure here must reach the exchange, or peers wait
-            problem = one_line(exc)
-        problems = self._exchange(problem)
-        failed = [p for p in problems if p is not None]
-        if failed:
-            self._fail("allreduce backend 'cuda_p2p' failed its set-up self-test: " + "; ".join(failed))
+        x = torch.full((4096,), float(self.rank + 1), device=self.device)
+        self._all_reduce(x)
+        torch.cuda.synchronize(self._dev)
+        self.check()
+        return None if bool((x == expected).all()) else "got a wrong sum from the self-test allreduce"
 
     def check(self) -> None:
         raise_if_failed(self._error_word, self.rank, self._timeout_ns / 1e9)
-
-    def _exchange(self, mine: Any) -> list[Any]:
-        if self.world_size == 1:
-            return [mine]
-        entries: list[Any] = [None] * self.world_size
-        dist.all_gather_object(entries, mine, group=self.group)
-        return entries
 
     def _barrier(self) -> None:
         if self.world_size > 1:

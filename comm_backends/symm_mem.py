@@ -26,7 +26,7 @@ from typing import ClassVar
 import torch
 import torch.distributed as dist
 
-from comm_backends.base import AllReduce, BackendUnavailable, one_line, spans_nodes_reason
+from comm_backends.base import AllReduce, BackendUnavailable, spans_nodes_reason
 from comm_backends.topology import Topology
 
 _OPS = ("one_shot_all_reduce_out", "two_shot_all_reduce_", "multimem_one_shot_all_reduce_out",
@@ -35,6 +35,9 @@ _MiB = 1 << 20
 # The dtype each input dtype is staged (and reduced) in.
 _STAGED = {torch.float32: torch.float32, torch.bfloat16: torch.bfloat16,
            torch.float16: torch.float32}
+# What a set-up step (allocation, rendezvous) raises when this machine cannot run the backend:
+# refused on every rank; anything else is a bug and propagates.
+_SET_UP_ERRORS = (RuntimeError, OSError, ValueError)
 
 
 @dataclass(frozen=True)
@@ -119,27 +122,11 @@ class SymmMemAllReduce(AllReduce):
         if dist.is_initialized():  # also at world 1, so a one-GPU machine can exercise the kernels
             group = self.group if self.group is not None else dist.group.WORLD
             self._group_name = group.group_name
-            self._agree(self._allocate)
-            self._agree(self._rendezvous)
+            self._agree("to set up", self._allocate, _SET_UP_ERRORS)
+            self._agree("to set up", self._rendezvous, _SET_UP_ERRORS)
             # The multimem and plain kernels use the signal pads differently: every rank must
             # pick the same ones, so multicast is used only where every rank has it.
-            flags: list[object] = [None] * self.world_size
-            dist.all_gather_object(flags, self._multimem, group=self.group)
-            self._multimem = all(flag is True for flag in flags)
-
-    def _agree(self, step: object) -> None:
-        """Run one set-up step; if it failed on any rank, every rank raises BackendUnavailable."""
-        try:
-            step()  # type: ignore[operator]
-            problem = None
-        except (RuntimeError, OSError, ValueError) as exc:
-            problem = one_line(exc)
-        problems: list[str | None] = [None] * self.world_size
-        dist.all_gather_object(problems, problem, group=self.group)
-        failed = [f"rank {r}: {p}" for r, p in enumerate(problems) if p is not None]
-        if failed:
-            self.close()
-            raise BackendUnavailable("allreduce backend 'symm_mem' failed to set up: " + "; ".join(failed))
+            self._multimem = all(flag is True for flag in self._gather_objects(self._multimem))
 
     def _allocate(self) -> None:
         import torch.distributed._symmetric_memory as symm

@@ -112,7 +112,7 @@ def _scenario_setup_step_fails_on_one_rank(rank: int, world: int) -> str:
             raise RuntimeError("cudaErrorMapBufferObjectFailed:\nmapping of buffer object failed")
 
     try:
-        backend._agree("opening the peers' buffers", step)
+        backend._agree("to set up (opening the peers' buffers)", step)
     except BackendUnavailable as exc:
         assert backend._closed
         backend.close()  # idempotent: no second barrier that the peers would not meet

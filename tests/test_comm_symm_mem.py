@@ -154,6 +154,20 @@ def test_buffer_size_must_keep_chunks_16_byte_aligned(fake_world: dict[str, Any]
         _backend(buffer_bytes=1000)
 
 
+def test_a_failed_allocation_is_one_refusal_naming_the_rank(fake_world: dict[str, Any],
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch.distributed._symmetric_memory as symm
+
+    def no_memory(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        raise RuntimeError("CUDA error: out of memory\nsecond line")
+
+    monkeypatch.setattr(symm, "empty", no_memory)
+    with pytest.raises(BackendUnavailable) as err:
+        _backend()
+    assert str(err.value) == ("allreduce backend 'symm_mem' failed to set up: "
+                              "rank 0: CUDA error: out of memory second line")
+
+
 # ---------------------------------------------------------------------------- hier local choice
 def test_hier_local_backend_is_the_same_on_every_rank_of_a_node() -> None:
     """Each rank's view of its node: the leader's topology decides, and a backend any rank of
