@@ -22,7 +22,7 @@ from comm_backends.topology import Placement, Topology, measure
 
 __all__ = ["AllReduce", "BackendUnavailable", "CommStats", "BACKENDS", "Choice", "Topology",
            "create", "available", "choose", "refusal", "refusals", "resolve_auto",
-           "unavailable_reason", "measure_here", "agree_on"]
+           "unavailable_reason", "measure_here", "agree_on", "merge_views"]
 
 # name -> "module:Class"; a read-only mapping, extended by editing this table.
 BACKENDS: Mapping[str, str] = MappingProxyType(
@@ -74,15 +74,21 @@ def agree_on(topo: Topology, names: Iterable[str] = BACKENDS,
     refused = refusals(topo, names)
     if not dist.is_initialized() or dist.get_world_size(group) == 1:
         return topo, refused
-    views: list[object] = [None] * dist.get_world_size(group)
+    views: list[tuple[Topology, dict[str, str]]] = [None] * dist.get_world_size(group)  # type: ignore[list-item]
     dist.all_gather_object(views, (topo, refused), group=group)
-    me = dist.get_rank(group)
+    return merge_views(dict(enumerate(views)), dist.get_rank(group))
+
+
+def merge_views(views: Mapping[int, tuple[Topology, Mapping[str, str]]], me: int
+                ) -> tuple[Topology, dict[str, str]]:
+    """What a group of ranks decides from alike, given each rank's (topology, refusals): the
+    lowest rank's topology, and every backend any of them refuses (another rank's reason
+    labelled with its rank, ``me``'s as it is)."""
     union: dict[str, str] = {}
-    for rank, view in enumerate(views):
-        _, theirs = view  # type: ignore[misc]
-        for name, reason in theirs.items():
+    for rank in sorted(views):
+        for name, reason in views[rank][1].items():
             union.setdefault(name, reason if rank == me else f"rank {rank}: {reason}")
-    return views[0][0], union  # type: ignore[index]
+    return views[min(views)][0], union
 
 
 def choose(topo: Topology, refused: Mapping[str, str] | None = None) -> Choice:

@@ -19,6 +19,7 @@ behave exactly like two hosts.
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
 from typing import Any, ClassVar
 
 import torch
@@ -83,7 +84,7 @@ class HierAllReduce(AllReduce):
         views: list[Any] = [None] * self.world_size
         dist.all_gather_object(views, self._local_view(len(members[mine])), group=objects)
         if len(members[mine]) > 1:
-            name = self._local_name([views[r] for r in members[mine]])
+            name = self._local_name({r: views[r] for r in members[mine]}, self.rank)
             self._local = self._build(name, node_groups[mine])
         if self.nodes > 1 and self.is_leader:
             self._cross = self._build("gloo" if self.device.type == "cpu" else "nccl", leaders)
@@ -103,22 +104,16 @@ class HierAllReduce(AllReduce):
         topo = measure(self.device, Placement(0, size, 0, size, 0))
         return topo, comm_backends.refusals(topo, ("nccl", "cuda_p2p", "symm_mem"))
 
-    def _local_name(self, views: list[tuple[Topology, dict[str, str]] | None]) -> str:
-        """The node's local backend from its ranks' views (in rank order): what ``auto`` picks
-        for the node leader's topology, leaving out what any rank of the node refuses. The same
-        on every rank of the node."""
+    def _local_name(self, views: Mapping[int, tuple[Topology, dict[str, str]]], me: int) -> str:
+        """The node's local backend from its ranks' views (by rank): what ``auto`` picks for
+        the node leader's topology, leaving out what any rank of the node refuses
+        (``comm_backends.merge_views``). The same on every rank of the node."""
         if self.device.type == "cpu":
             return "shm"
         import comm_backends
 
-        refused: dict[str, str] = {"hier": "nested", "gloo": "cpu"}
-        for view in views:
-            for name, reason in (view[1] if view is not None else {}).items():
-                refused.setdefault(name, reason)
-        topo = views[0][0] if views[0] is not None else None
-        if topo is None:
-            raise BackendUnavailable("allreduce backend 'hier': no topology from the node leader")
-        return comm_backends.choose(topo, refused).name
+        topo, refused = comm_backends.merge_views(views, me)
+        return comm_backends.choose(topo, {**refused, "hier": "nested", "gloo": "cpu"}).name
 
     def _build(self, name: str, group: dist.ProcessGroup) -> AllReduce:
         import comm_backends

@@ -177,10 +177,11 @@ def test_hier_local_backend_is_the_same_on_every_rank_of_a_node() -> None:
     topo = Topology("cuda", 4, 4, 1, None, 4, (9, 0), _full(4), _full(4), _full(4))
     no_cupy = {"cuda_p2p": "allreduce backend 'cuda_p2p' needs cupy"}
     views = [(topo, {}), (topo, no_cupy), (topo, {}), (topo, {})]
-    assert hier._local_name(views) == "symm_mem"
-    assert hier._local_name([(topo, {})] * 4) == "cuda_p2p"
+    assert hier._local_name(dict(enumerate(views)), 0) == "symm_mem"
+    assert hier._local_name(dict(enumerate([(topo, {})] * 4)), 0) == "cuda_p2p"
     pcie = Topology("cuda", 4, 4, 1, None, 4, (9, 0), _full(4), _full(4), _full(4, False))
-    assert hier._local_name([(pcie, {}), (topo, {}), (topo, {}), (topo, {})]) == "nccl"
+    assert hier._local_name(dict(enumerate([(pcie, {}), (topo, {}), (topo, {}), (topo, {})])),
+                            0) == "nccl"
 
 
 # ---------------------------------------------------------------------------- torch.distributed
