@@ -69,10 +69,6 @@ def unavailable_reason(kv_lora_rank: int, rope_dim: int, dtype: torch.dtype,
     return None
 
 
-def _plain_decode(meta: AttentionMetadata) -> bool:
-    return meta.custom_mask is None and meta.is_decode and meta.num_rows == meta.batch_size
-
-
 def _causal(meta: AttentionMetadata) -> bool:
     """A step the kernel serves: anything without a speculative mask (decode, prefill chunks
     and mixed steps: each request's query rows are the last of its keys, causally), and a
@@ -184,7 +180,7 @@ class FlashInferMLA:
     # CUDA-graph hooks (``AttentionBackend``'s, which the graph executor calls)
     def graph_capture(self, static: AttentionMetadata) -> None:
         wrapper = None
-        if _plain_decode(static):
+        if static.is_plain_decode:
             wrapper = self._graphs.get(static.batch_size, int(static.page_table.shape[1]))
             # A plan for the longest rows the graph can serve, then the capture's own: if
             # their launch parameters differ, replays could not follow the layout.
@@ -218,7 +214,7 @@ class FlashInferMLA:
         self._static.pop(id(static), None)
 
     def graph_reads_in_place(self, static: AttentionMetadata) -> bool:
-        return _plain_decode(static)
+        return static.is_plain_decode
 
 
 def _longest(static: AttentionMetadata) -> AttentionMetadata:

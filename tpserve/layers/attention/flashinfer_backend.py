@@ -57,10 +57,6 @@ class FlashInferStep(PreparedStep):
     inner: PreparedStep | None = None  # graph_torch: the torch backend's step
 
 
-def _is_plain_decode(meta: AttentionMetadata) -> bool:
-    return meta.is_decode and meta.num_rows == meta.batch_size
-
-
 def paged_layout(page_table: np.ndarray, kv_lens: np.ndarray, page_size: int
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """FlashInfer's (kv_indptr [B+1], kv_indices [pages used], last_page_len [B]), int32 CPU."""
@@ -128,7 +124,7 @@ class FlashInferAttention(AttentionBackend):
 
     def graph_capture(self, static: AttentionMetadata) -> None:
         wrapper = None
-        if _is_plain_decode(static):
+        if static.is_plain_decode:
             wrapper = self._graphs.get(static.batch_size, int(static.page_table.shape[1]))
             self._plan_decode(wrapper, static)  # the warm-up runs on this (inert) layout
         elif self._torch is None:
@@ -141,7 +137,7 @@ class FlashInferAttention(AttentionBackend):
             self._plan_decode(wrapper, meta)
 
     def graph_reads_in_place(self, static: AttentionMetadata) -> bool:
-        return _is_plain_decode(static)  # the graph-mode decode wrapper (graph_capture)
+        return static.is_plain_decode  # the graph-mode decode wrapper (graph_capture)
 
     def graph_release(self, static: AttentionMetadata) -> None:
         self._static.pop(id(static), None)
@@ -168,7 +164,7 @@ class FlashInferAttention(AttentionBackend):
         if meta.custom_mask is not None:
             return self._prepare_tree(meta)
         layout = paged_layout(host.page_table, host.kv_lens, meta.page_size)
-        if _is_plain_decode(meta):
+        if meta.is_plain_decode:
             self._decode.plan(*layout, *heads, window_left=self._window_left(), **self._common())
             return FlashInferStep(meta, "decode", self._generation)
         self._prefill.plan(q_indptr, *layout, *heads, causal=True,

@@ -64,6 +64,12 @@ class AttentionMetadata:
         """One query per request and a plain causal mask."""
         return self.max_q_len <= 1 and self.custom_mask is None
 
+    @property
+    def is_plain_decode(self) -> bool:
+        """``is_decode`` with exactly one row for every request (what graph-mode decode
+        kernels take: their query offsets are 0..B)."""
+        return self.is_decode and self.num_rows == self.batch_size
+
 
 def _int32(x: ArrayLike) -> np.ndarray:
     if isinstance(x, np.ndarray) and x.dtype == np.int32 and x.flags.c_contiguous:
