@@ -118,7 +118,7 @@ class FlashInferBoundMLA:
 
 class FlashInferMLA:
     """Prepares a step once for every MLA layer: FlashInfer for every step without a
-    speculative mask, else ``mla``."""
+    speculative mask and for a chain's verify (``_causal``), else ``mla``."""
 
     name = "flashinfer_mla"
 

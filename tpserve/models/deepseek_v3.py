@@ -69,8 +69,9 @@ class DeepseekV3ForCausalLM(DecoderLM):
 
     def set_attention_backend(self, name: str) -> None:
         """MLA attends over the latent with its own backends (the GQA kernels cannot read a
-        latent cache): FlashInfer's paged MLA kernel for decode where ``name`` is ``auto`` or
-        ``flashinfer`` and it runs and agrees on this GPU, else ``mla`` (``mla_flashinfer``)."""
+        latent cache): FlashInfer's paged MLA kernel for the steps it serves where ``name`` is
+        ``auto`` or ``flashinfer`` and it runs and agrees on this GPU, else ``mla``
+        (``mla_flashinfer``)."""
         weight, mla = self.embed_tokens.weight, self.cfg.mla
         assert mla is not None
         attn = self.layers[0].self_attn
