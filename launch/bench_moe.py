@@ -33,6 +33,7 @@ from launch.bench_moe_parts import (
     mla_path_table,
     print_table,
 )
+from launch.ports import free_port
 
 SHAPE = dict(hidden_size=512, intermediate_size=1024, moe_intermediate_size=256,
              num_hidden_layers=4, first_k_dense_replace=1, num_attention_heads=8,
@@ -95,11 +96,7 @@ def _rank(rank: int, world: int, port: int, model: str, batch: int, tokens: int,
 
 
 def run_tp(world: int, model: Path, batch: int, tokens: int, allreduce: str) -> dict[str, Any]:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "result.json")
         mp.spawn(_rank, args=(world, port, str(model), batch, tokens, allreduce, out),
