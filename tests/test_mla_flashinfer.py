@@ -108,8 +108,8 @@ def test_prefill_and_mixed_steps_run_the_kernel_causally_in_both_forms() -> None
     torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4)
 
 
-def _verify_step(seed: int, kv_lens: list[int], queries: int, chain: bool
-                 ) -> AttentionMetadata:
+def _verify_step(seed: int, kv_lens: list[int], queries: int, chain: bool,
+                 device: torch.device = CPU) -> AttentionMetadata:
     """A verify batch of ``queries`` nodes per request: a chain's lower-triangular mask, or a
     tree's (node 2 a second child of the root)."""
     base = _layout(seed, kv_lens)
@@ -117,7 +117,7 @@ def _verify_step(seed: int, kv_lens: list[int], queries: int, chain: bool
     mask = torch.tril(torch.ones(queries, queries, dtype=torch.bool))
     if not chain:
         mask[2, 1] = False
-    return build_metadata(base.host.page_table, q, base.host.kv_lens, PAGE, CPU,
+    return build_metadata(base.host.page_table, q, base.host.kv_lens, PAGE, device,
                           mask_start=base.host.kv_lens - q,
                           custom_mask=mask.expand(len(kv_lens), -1, -1), mask_is_causal=chain)
 
@@ -265,10 +265,7 @@ def test_gpu_chain_verify_matches_the_mla_backend_under_its_mask() -> None:
     cuda = torch.device("cuda")
     chosen = choose_mla_backend("auto", 576, 512, 64, 16, SCALE, torch.bfloat16, cuda)
     assert isinstance(chosen, FlashInferMLA)
-    step = _verify_step(3, [37, 9, 90], 5, chain=True)  # 36 of the 39 pages
-    meta = build_metadata(step.host.page_table, np.diff(step.host.q_indptr), step.host.kv_lens,
-                          PAGE, cuda, mask_start=step.host.mask_start,
-                          custom_mask=step.custom_mask, mask_is_causal=True)
+    meta = _verify_step(3, [37, 9, 90], 5, chain=True, device=cuda)  # 36 of the 39 pages
     cache, q_latent, q_pe, latent = _inputs(3, meta.num_rows, torch.bfloat16, 512, 64, 16, cuda)
     bound = chosen.bind(meta)
     assert isinstance(bound, FlashInferBoundMLA)
