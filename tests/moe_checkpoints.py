@@ -165,3 +165,17 @@ def make_fp8_checkpoints(root: Path) -> dict[str, Path]:
     src = make_moe_checkpoint(root / "fp8_src", "deepseek", vocab=64, **FP8_SHAPE)
     make_fp8_copy(src, root / "fp8", root / "fp8_ref", FP8_BLOCK)
     return {"src": src, "fp8": root / "fp8", "ref": root / "fp8_ref"}
+
+
+# A DeepSeek-V3 whose (8, 8) FP8 blocks split on block boundaries at TP 2, 4 and 8, as
+# DeepSeek-V3's 128 x 128 blocks do at TP 8 (8 heads, 16 experts).
+TP8_FP8_BLOCK = (8, 8)
+TP8_FP8_SHAPE = dict(num_attention_heads=8, n_routed_experts=16, moe_intermediate_size=64,
+                     intermediate_size=192)
+
+
+def make_tp8_fp8_checkpoint(root: Path) -> Path:
+    """The FP8 copy (under ``root``) of the DeepSeek-V3 that TP 8 shards on block boundaries."""
+    src = make_moe_checkpoint(root / "src", "deepseek", vocab=64, **TP8_FP8_SHAPE)
+    make_fp8_copy(src, root / "fp8", root / "ref", TP8_FP8_BLOCK)
+    return root / "fp8"

@@ -19,7 +19,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.moe_checkpoints import make_fp8_copy, make_moe_checkpoint
 from tests.test_moe_layers import _moe, hf_config
 from tpserve.layers import fp8
 from tpserve.layers.experts import ExpertStack
@@ -59,21 +58,11 @@ def test_pairs_combine_bit_for_bit(size: int, ep: int) -> None:
         assert torch.equal(pairs, stack.forward_static(x, w, ids)), rank
 
 
-@pytest.fixture(scope="module")
-def fp8_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    root = tmp_path_factory.mktemp("pairs")
-    src = make_moe_checkpoint(root / "src", "deepseek", vocab=64, num_attention_heads=8,
-                              n_routed_experts=16, moe_intermediate_size=64,
-                              intermediate_size=192)
-    make_fp8_copy(src, root / "fp8", root / "ref", (8, 8))
-    return root / "fp8"
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rank,size,ep", [(0, 1, 1), (3, 8, 1), (5, 8, 8)])
-def test_pairs_equal_sorted_with_fp8_experts(fp8_dir: Path, dtype: torch.dtype, rank: int,
-                                             size: int, ep: int) -> None:
-    model = build_model(fp8_dir, TPContext(rank, size, NoComm(), ep_size=ep), dtype, CPU, 64)
+def test_pairs_equal_sorted_with_fp8_experts(tp8_fp8_dir: Path, dtype: torch.dtype,
+                                             rank: int, size: int, ep: int) -> None:
+    model = build_model(tp8_fp8_dir, TPContext(rank, size, NoComm(), ep_size=ep), dtype, CPU, 64)
     moe = model.layers[1].mlp
     assert moe.experts.w13.dtype == torch.float8_e4m3fn
     torch.manual_seed(rank)

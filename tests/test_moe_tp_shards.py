@@ -2,7 +2,8 @@
 
 The other FP8 tests use a block that only divides at TP 2. Here a tiny DeepSeek-V3 with 8
 heads and an (8, 8) block splits on block boundaries at TP 2, 4 and 8, as DeepSeek-V3's
-128 x 128 blocks do at TP 8, so every sharding rule is exercised at the TP size these models are served at:
+128 x 128 blocks do at TP 8 (``moe_checkpoints.make_tp8_fp8_checkpoint``), so every sharding
+rule is exercised at the TP size these models are served at:
 
 - each simulated rank's FP8 weights, dequantised with the scale rows / columns it loaded,
   are exactly its slice of the TP 1 model's (q_b_proj rows by heads, kv_b_proj's absorbed
@@ -22,15 +23,11 @@ import pytest
 import torch
 
 from tests.harness import build, spawn
-from tests.moe_checkpoints import make_fp8_copy, make_moe_checkpoint
 from tests.test_model_vs_hf import assert_close, prefill_logits
 from tpserve.layers.fp8 import dequantize
 from tpserve.layers.tp import NoComm, TPContext
 from tpserve.models.registry import build_model
 
-BLOCK = (8, 8)
-SHAPE = dict(num_attention_heads=8, n_routed_experts=16, moe_intermediate_size=64,
-             intermediate_size=192)
 PROMPT = [5, 7, 9, 11, 13, 3, 4, 30, 31]
 CPU = torch.device("cpu")
 
@@ -39,16 +36,8 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")
-def fp8_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    root = tmp_path_factory.mktemp("tp8")
-    src = make_moe_checkpoint(root / "src", "deepseek", vocab=64, **SHAPE)
-    make_fp8_copy(src, root / "fp8", root / "ref", BLOCK)
-    return root / "fp8"
-
-
-@pytest.fixture(scope="module")
-def full(fp8_dir: Path):  # type: ignore[no-untyped-def]
-    return build_model(fp8_dir, TPContext.single(), torch.float32, CPU, 64)
+def full(tp8_fp8_dir: Path):  # type: ignore[no-untyped-def]
+    return build_model(tp8_fp8_dir, TPContext.single(), torch.float32, CPU, 64)
 
 
 def _deq(layer) -> torch.Tensor:  # type: ignore[no-untyped-def]
@@ -94,13 +83,14 @@ def _check_rank(model, full, rank: int) -> None:  # type: ignore[no-untyped-def]
 
 
 @pytest.mark.parametrize("size,ep", [(8, 1), (8, 8), (4, 1), (4, 4)])
-def test_rank_slices_and_partial_sums(fp8_dir: Path, full, size: int, ep: int) -> None:  # type: ignore[no-untyped-def]
+def test_rank_slices_and_partial_sums(tp8_fp8_dir: Path, full,  # type: ignore[no-untyped-def]
+                                      size: int, ep: int) -> None:
     torch.manual_seed(0)
     x = torch.randn(13, full.cfg.hidden_size)
     totals = [torch.zeros_like(x) for _ in full.layers]
     for rank in range(size):
-        model = build_model(fp8_dir, TPContext(rank, size, NoComm(), ep_size=ep), torch.float32,
-                            CPU, 64)
+        model = build_model(tp8_fp8_dir, TPContext(rank, size, NoComm(), ep_size=ep),
+                            torch.float32, CPU, 64)
         stack = model.layers[1].mlp.experts
         per_rank = full.cfg.moe.num_experts // size
         assert (stack.first, stack.local_experts) == ((0, 16) if ep == 1 else
@@ -123,9 +113,9 @@ def _rank_logits(rank: int, world: int, path: Path) -> dict[int, torch.Tensor]:
     return out
 
 
-def test_tp4_logits_match_tp1(fp8_dir: Path) -> None:
-    ref = prefill_logits(build(fp8_dir).runner, PROMPT)
-    results = spawn(4, _rank_logits, fp8_dir)
+def test_tp4_logits_match_tp1(tp8_fp8_dir: Path) -> None:
+    ref = prefill_logits(build(tp8_fp8_dir).runner, PROMPT)
+    results = spawn(4, _rank_logits, tp8_fp8_dir)
     for ep in (1, 4):
         assert_close(results[0][ep], ref, f"FP8 TP 4 ep {ep}")
         for rank in range(1, 4):
